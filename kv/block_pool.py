@@ -1,0 +1,215 @@
+"""KV block accounting: block ids, reference counts, the free LRU list and the prefix-cache index.
+
+Pure Python (no torch): the tensors that hold K/V live in `kv.cache_engine`; this module only
+decides which block ids hold what.
+
+A block is in exactly one of three states:
+  * in use    - ref_cnt > 0 (one or more requests' block tables point at it)
+  * cached    - ref_cnt == 0, on the free list, still registered under its hash: a later request
+                with the same prefix can take it back from the middle of the free list in O(1)
+  * free      - ref_cnt == 0, on the free list, no hash
+Allocation takes from the head of the free list (least recently freed first), evicting the hash
+of a cached block it takes. That is what makes the free list LRU.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Iterable, Sequence
+
+
+class KVBlock:
+    """One block of `block_size` token slots. Threaded into the free list by prev/next."""
+
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "token_ids", "prev_free", "next_free")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: bytes | None = None  # set while registered in the prefix cache
+        self.token_ids: tuple[int, ...] | None = None  # the tokens the hash was computed from
+        self.prev_free: KVBlock | None = None
+        self.next_free: KVBlock | None = None
+
+    def __repr__(self) -> str:
+        return f"KVBlock({self.block_id}, ref={self.ref_cnt}, cached={self.block_hash is not None})"
+
+
+def hash_block(parent: bytes | None, token_ids: Sequence[int], salt: str | None) -> bytes:
+    """Chained hash of one full block, stable across processes (the controller compares hashes
+    from different replicas, so Python's per-process salted `hash()` would not do).
+
+    The salt (a tenant or sharing group) enters the first block only; the chain carries it on.
+    """
+    h = hashlib.blake2b(digest_size=16)
+    if parent is None:
+        h.update(b"\x00" if salt is None else b"\x01" + salt.encode())
+    else:
+        h.update(parent)
+    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    return h.digest()
+
+
+class FreeBlockQueue:
+    """Doubly linked list of free blocks with sentinel head and tail.
+
+    A list (or deque) would make taking a cached block out of the middle O(n); threading the
+    links through the blocks themselves makes append, popleft and remove all O(1).
+    """
+
+    def __init__(self, blocks: Iterable[KVBlock]) -> None:
+        self.head = KVBlock(-1)  # sentinel: head.next_free is the next block to allocate
+        self.tail = KVBlock(-1)  # sentinel: tail.prev_free is the most recently freed block
+        self.head.next_free = self.tail
+        self.tail.prev_free = self.head
+        self.num_free = 0
+        for block in blocks:
+            self.append(block)
+
+    def append(self, block: KVBlock) -> None:
+        last = self.tail.prev_free
+        assert last is not None
+        last.next_free = block
+        block.prev_free = last
+        block.next_free = self.tail
+        self.tail.prev_free = block
+        self.num_free += 1
+
+    def popleft(self) -> KVBlock:
+        block = self.head.next_free
+        if block is self.tail or block is None:
+            raise IndexError("no free blocks")
+        self.remove(block)
+        return block
+
+    def remove(self, block: KVBlock) -> None:
+        prev, nxt = block.prev_free, block.next_free
+        if prev is None or nxt is None:
+            raise ValueError(f"{block} is not on the free list")
+        prev.next_free = nxt
+        nxt.prev_free = prev
+        block.prev_free = block.next_free = None
+        self.num_free -= 1
+
+    def __iter__(self):
+        block = self.head.next_free
+        while block is not self.tail:
+            assert block is not None
+            yield block
+            block = block.next_free
+
+
+class BlockPool:
+    """A fixed set of blocks with O(1) allocate/free, reference counts and a prefix-cache index.
+
+    Contracts:
+      * `allocate(n)` returns n blocks with ref_cnt 1 taken from the head of the free list
+        (evicting their cache entries), or raises ValueError if fewer than n are free.
+      * `free(blocks)` decrements each block's ref_cnt; blocks reaching 0 join the free list's
+        tail in the order given (the caller orders them: evict-first first).
+      * `touch(blocks)` takes a reference on blocks found in the cache, pulling ref_cnt-0 blocks
+        off the free list.
+      * `lookup(hash, tokens)` returns a registered block only if its stored tokens match.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached: dict[bytes, KVBlock] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be allocated now (free or cached-but-unused)."""
+        return self.free_queue.num_free
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.free_queue.num_free
+
+    def allocate(self, n: int) -> list[KVBlock]:
+        if n > self.free_queue.num_free:
+            raise ValueError(f"cannot allocate {n} blocks: only {self.free_queue.num_free} free")
+        out = []
+        for _ in range(n):
+            block = self.free_queue.popleft()
+            if block.block_hash is not None:
+                self._evict(block)
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def free(self, blocks: Iterable[KVBlock]) -> None:
+        for block in blocks:
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue.append(block)
+            elif block.ref_cnt < 0:
+                raise AssertionError(f"double free of {block}")
+
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+
+    def lookup(self, block_hash: bytes, token_ids: Sequence[int]) -> KVBlock | None:
+        block = self.cached.get(block_hash)
+        if block is None or block.token_ids != tuple(token_ids):
+            return None  # a hash collision must never hand out someone else's K/V
+        return block
+
+    def cache(self, block: KVBlock, block_hash: bytes, token_ids: Sequence[int]) -> None:
+        """Register a full, computed block under its hash (first writer wins on duplicates)."""
+        if not self.enable_caching or block.block_hash is not None or block_hash in self.cached:
+            return
+        block.block_hash = block_hash
+        block.token_ids = tuple(token_ids)
+        self.cached[block_hash] = block
+
+    def _evict(self, block: KVBlock) -> None:
+        assert block.block_hash is not None
+        if self.cached.get(block.block_hash) is block:
+            del self.cached[block.block_hash]
+        block.block_hash = None
+        block.token_ids = None
+
+    def reset_cache(self) -> None:
+        """Forget every cached hash (blocks in use keep their contents but stop being shareable)."""
+        for block in self.cached.values():
+            block.block_hash = None
+            block.token_ids = None
+        self.cached.clear()
+
+    def counts(self) -> tuple[int, int, int]:
+        """(free, cached, in use) block counts."""
+        num_cached_free = sum(1 for b in self.cached.values() if b.ref_cnt == 0)
+        free_total = self.free_queue.num_free
+        return free_total - num_cached_free, num_cached_free, self.num_blocks - free_total
+
+    def check_integrity(self) -> None:
+        """Assert free + cached + in use == total and that every link and count agrees."""
+        on_list = list(self.free_queue)
+        assert len(on_list) == self.free_queue.num_free, "free count disagrees with the list"
+        on_list_ids = {b.block_id for b in on_list}
+        assert len(on_list_ids) == len(on_list), "a block is on the free list twice"
+        for block in self.blocks:
+            assert block.ref_cnt >= 0, f"{block} has a negative ref count"
+            if block.ref_cnt == 0:
+                assert block.block_id in on_list_ids, f"{block} is unreferenced but not free"
+            else:
+                assert block.block_id not in on_list_ids, f"{block} is referenced and on the list"
+        for h, block in self.cached.items():
+            assert block.block_hash == h, f"{block} is indexed under a hash it does not carry"
+        for block in self.blocks:
+            if block.block_hash is not None:
+                assert self.cached.get(block.block_hash) is block, f"{block} hash not indexed"
+        free, cached, used = self.counts()
+        assert free + cached + used == self.num_blocks, "free + cached + in use != total"

@@ -1,0 +1,247 @@
+"""KVCacheManager: the narrow seam between the scheduler and KV memory.
+
+The scheduler only ever asks: which prefix is already computed (`get_computed_blocks`), can this
+request get slots for n more tokens (`allocate_slots` -> block ids | None, None meaning "preempt
+someone and retry"), and give everything back (`free`). Swap-space accounting (a second pool of
+CPU blocks) sits here too, so one object knows where every request's K/V lives.
+
+Pure Python: no torch. Requests are duck-typed: `.request_id`, `.all_token_ids`,
+`.num_computed_tokens`, `.cache_salt`.
+"""
+
+from __future__ import annotations
+
+from fairbatch.kv.block_pool import BlockPool, KVBlock, hash_block
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(
+        self,
+        num_gpu_blocks: int,
+        block_size: int,
+        num_cpu_blocks: int = 0,
+        enable_prefix_caching: bool = True,
+    ) -> None:
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.gpu_pool = BlockPool(num_gpu_blocks, block_size, enable_prefix_caching)
+        # Swap space never shares blocks: one request's swapped K/V is private to it.
+        self.cpu_pool = BlockPool(max(num_cpu_blocks, 1), block_size, enable_caching=False)
+        self.num_cpu_blocks = num_cpu_blocks
+        self.req_blocks: dict[str, list[KVBlock]] = {}  # request id -> its GPU blocks, in order
+        self.req_block_ids: dict[str, list[int]] = {}  # the same as ids: the live block table
+        self.req_hashes: dict[str, list[bytes]] = {}  # hashes of the request's full blocks
+        self.num_cached: dict[str, int] = {}  # how many leading blocks are registered in the cache
+        self.swapped: dict[str, list[KVBlock]] = {}  # request id -> its CPU blocks
+
+    # ---- GPU blocks -------------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.gpu_pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.gpu_pool.num_used_blocks / self.gpu_pool.num_blocks
+
+    def block_ids(self, request_id: str) -> list[int]:
+        """The request's block table (a live list: it grows as blocks are allocated)."""
+        return self.req_block_ids.get(request_id, [])
+
+    def num_blocks_needed(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size)
+
+    def get_computed_blocks(self, request) -> tuple[list[KVBlock], int]:
+        """Cached blocks holding a prefix of the request's tokens, and how many tokens they cover.
+
+        Only for a request with no blocks yet. At least one token is always left to compute,
+        because the step that computes it produces the logits for the next token.
+        """
+        if not self.enable_prefix_caching or request.request_id in self.req_blocks:
+            return [], 0
+        hashes = self._hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        tokens, bs = request.all_token_ids, self.block_size
+        hits: list[KVBlock] = []
+        for i in range(min(max_blocks, len(hashes))):
+            block = self.gpu_pool.lookup(hashes[i], tokens[i * bs : (i + 1) * bs])
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * bs
+
+    def allocate_slots(
+        self, request, num_new_tokens: int, new_computed_blocks: list[KVBlock] | None = None
+    ) -> list[int] | None:
+        """Make room for `num_new_tokens` more tokens after the computed ones.
+
+        `new_computed_blocks` (from get_computed_blocks, for a request being admitted) are
+        taken over first; the caller has not yet advanced num_computed_tokens past them.
+        Returns the newly allocated block ids, or None (nothing changed) if the pool is short.
+        """
+        rid = request.request_id
+        blocks = self.req_blocks.get(rid)
+        new_computed = new_computed_blocks or []
+        num_computed = request.num_computed_tokens + len(new_computed) * self.block_size
+        num_required = cdiv(num_computed + num_new_tokens, self.block_size)
+        num_have = (0 if blocks is None else len(blocks)) + len(new_computed)
+        num_new = num_required - num_have
+        # Cached hits with no other user sit on the free list: taking them uses up free blocks.
+        num_evictable = sum(1 for b in new_computed if b.ref_cnt == 0)
+        if num_new > self.gpu_pool.num_free_blocks - num_evictable:
+            return None
+        if blocks is None:
+            blocks = self.req_blocks[rid] = []
+            self.req_block_ids[rid] = []
+            self.num_cached[rid] = 0
+        ids = self.req_block_ids[rid]
+        if new_computed:
+            self.gpu_pool.touch(new_computed)
+            blocks.extend(new_computed)
+            ids.extend(b.block_id for b in new_computed)
+            self.num_cached[rid] = len(blocks)
+        new_ids: list[int] = []
+        if num_new > 0:
+            new_blocks = self.gpu_pool.allocate(num_new)
+            blocks.extend(new_blocks)
+            new_ids = [b.block_id for b in new_blocks]
+            ids.extend(new_ids)
+        return new_ids
+
+    def cache_computed_blocks(self, request) -> None:
+        """Register the request's full, computed blocks in the prefix cache.
+
+        Called after a step advanced num_computed_tokens, never at allocation: a request can be
+        preempted between allocation and compute, and a block registered then would hand out
+        K/V that was never written.
+        """
+        if self.enable_prefix_caching and request.request_id in self.req_blocks:
+            self._cache_full_blocks(request, request.num_computed_tokens // self.block_size)
+
+    def _hashes(self, request) -> list[bytes]:
+        """Hashes of every full block of the request's tokens, extended incrementally."""
+        hashes = self.req_hashes.setdefault(request.request_id, [])
+        tokens, bs = request.all_token_ids, self.block_size
+        num_full = len(tokens) // bs
+        parent = hashes[-1] if hashes else None
+        for i in range(len(hashes), num_full):
+            parent = hash_block(parent, tokens[i * bs : (i + 1) * bs], request.cache_salt)
+            hashes.append(parent)
+        return hashes
+
+    def _cache_full_blocks(self, request, num_full: int) -> None:
+        rid = request.request_id
+        start = self.num_cached[rid]
+        if num_full <= start:
+            return
+        hashes = self._hashes(request)
+        blocks, tokens, bs = self.req_blocks[rid], request.all_token_ids, self.block_size
+        for i in range(start, num_full):
+            self.gpu_pool.cache(blocks[i], hashes[i], tokens[i * bs : (i + 1) * bs])
+        self.num_cached[rid] = num_full
+
+    def free(self, request) -> None:
+        """Release the request's GPU (and any CPU swap) blocks, tail blocks first so the prefix
+        blocks, the likeliest to be reused, are the last evicted."""
+        rid = request.request_id
+        blocks = self.req_blocks.pop(rid, None)
+        if blocks is not None:
+            self.gpu_pool.free(reversed(blocks))
+        self.req_block_ids.pop(rid, None)
+        self.num_cached.pop(rid, None)
+        cpu_blocks = self.swapped.pop(rid, None)
+        if cpu_blocks is not None:
+            self.cpu_pool.free(cpu_blocks)
+
+    def forget(self, request) -> None:
+        """Free everything and drop the cached hashes (the request is finished)."""
+        self.free(request)
+        self.req_hashes.pop(request.request_id, None)
+
+    # ---- swap space -------------------------------------------------------------------------
+
+    def can_swap_out(self, request) -> bool:
+        n = len(self.req_blocks.get(request.request_id, ()))
+        return self.num_cpu_blocks > 0 and n <= self.cpu_pool.num_free_blocks
+
+    def swap_out(self, request) -> list[tuple[int, int]]:
+        """Move the request's K/V to CPU blocks: returns (gpu block, cpu block) copies to issue
+        before the next forward. Its GPU blocks are freed (full ones stay findable in the cache)."""
+        rid = request.request_id
+        if not self.can_swap_out(request):
+            raise ValueError(f"not enough CPU swap space for {rid}")
+        gpu_blocks = self.req_blocks[rid]
+        cpu_blocks = self.cpu_pool.allocate(len(gpu_blocks))
+        mapping = [(g.block_id, c.block_id) for g, c in zip(gpu_blocks, cpu_blocks)]
+        self.free(request)
+        self.swapped[rid] = cpu_blocks
+        return mapping
+
+    def num_swapped_blocks(self, request) -> int:
+        return len(self.swapped.get(request.request_id, ()))
+
+    def can_swap_in(self, request, num_extra_blocks: int = 0) -> bool:
+        need = self.num_swapped_blocks(request) + num_extra_blocks
+        return need <= self.gpu_pool.num_free_blocks
+
+    def swap_in(self, request) -> list[tuple[int, int]]:
+        """Bring a swapped request back: returns (cpu block, gpu block) copies. The CPU blocks
+        are freed at once; the caller must not reuse swap space before issuing these copies."""
+        rid = request.request_id
+        if not self.can_swap_in(request):
+            raise ValueError(f"not enough GPU blocks to swap in {rid}")
+        cpu_blocks = self.swapped.pop(rid)
+        gpu_blocks = self.gpu_pool.allocate(len(cpu_blocks))
+        self.req_blocks[rid] = gpu_blocks
+        self.req_block_ids[rid] = [b.block_id for b in gpu_blocks]
+        self.num_cached[rid] = 0
+        self.cpu_pool.free(cpu_blocks)
+        if self.enable_prefix_caching:
+            self._cache_full_blocks(request, request.num_computed_tokens // self.block_size)
+        return [(c.block_id, g.block_id) for c, g in zip(cpu_blocks, gpu_blocks)]
+
+    # ---- migration: swap space filled from / handed to another replica -----------------------
+
+    def export_swapped(self, request) -> list[int]:
+        """CPU block ids holding a swapped request's K/V, in order (for the copy engine to read).
+        The blocks stay allocated until `free(request)`."""
+        return [b.block_id for b in self.swapped[request.request_id]]
+
+    def import_swapped(self, request, num_blocks: int) -> list[int] | None:
+        """Reserve CPU blocks for a request arriving from another replica; None if no room."""
+        if num_blocks > self.cpu_pool.num_free_blocks or self.num_cpu_blocks == 0:
+            return None
+        blocks = self.cpu_pool.allocate(num_blocks)
+        self.swapped[request.request_id] = blocks
+        return [b.block_id for b in blocks]
+
+    # ---- introspection ----------------------------------------------------------------------
+
+    def cached_hashes(self) -> list[bytes]:
+        """Hashes of the blocks this pool can serve from cache (reported for prefix affinity)."""
+        return list(self.gpu_pool.cached)
+
+    def check_integrity(self) -> None:
+        self.gpu_pool.check_integrity()
+        self.cpu_pool.check_integrity()
+        refs: dict[int, int] = {}
+        for blocks in self.req_blocks.values():
+            for b in blocks:
+                refs[b.block_id] = refs.get(b.block_id, 0) + 1
+        for b in self.gpu_pool.blocks:
+            assert b.ref_cnt == refs.get(b.block_id, 0), f"{b}: ref count != block-table uses"
+        for rid, blocks in self.req_blocks.items():
+            assert self.req_block_ids[rid] == [b.block_id for b in blocks], f"{rid} table stale"
+        num_swapped = sum(len(v) for v in self.swapped.values())
+        assert num_swapped == self.cpu_pool.num_used_blocks, "swap blocks leaked"
+
+    def all_free(self) -> bool:
+        """True when no request holds any block (cached blocks count as free)."""
+        return (
+            self.gpu_pool.num_free_blocks == self.gpu_pool.num_blocks
+            and self.cpu_pool.num_free_blocks == self.cpu_pool.num_blocks
+        )

@@ -1,0 +1,51 @@
+"""What the scheduler hands the runner each step, and what it hands back to the engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fairbatch.scheduler.request import Request
+
+
+@dataclass
+class SchedulerOutput:
+    """Everything the runner needs to execute one step.
+
+    The runner issues `swap_in` copies, then `swap_out` copies, then the forward. For each
+    scheduled request it computes `num_scheduled_tokens[id]` tokens starting at position
+    `request.num_computed_tokens`, and samples one token iff the chunk reaches the end of the
+    request's known tokens (num_computed_tokens + n == num_tokens).
+    """
+
+    scheduled: list[Request] = field(default_factory=list)  # requests computing, in batch order
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)  # id -> tokens this step
+    total_num_scheduled_tokens: int = 0  # sum of num_scheduled_tokens (<= the token budget)
+    new_block_ids: dict[str, list[int]] = field(default_factory=dict)  # id -> new blocks, if any
+    block_tables: dict[str, list[int]] = field(default_factory=dict)  # id -> full table (read only)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, gpu) block copies
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu, cpu) block copies
+    preempted_swap: list[str] = field(default_factory=list)  # ids swapped out this step
+    preempted_recompute: list[str] = field(default_factory=list)  # ids dropped for recompute
+    finished_ids: set[str] = field(default_factory=set)  # ids finished/aborted since last step
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled and not self.swap_in and not self.swap_out
+
+
+@dataclass
+class RunnerOutput:
+    """The runner's answer: one sampled token per request whose chunk reached its end."""
+
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)  # id -> next token
+    logprobs: dict[str, object] = field(default_factory=dict)  # id -> sampler's logprob record
+
+
+@dataclass(slots=True)
+class RequestUpdate:
+    """A request's progress after one step, as the engine reports it to the caller."""
+
+    request_id: str
+    new_token_ids: list[int]  # tokens generated this step (0 or 1)
+    finished: bool  # the request left the scheduler
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" when finished

@@ -1,0 +1,121 @@
+"""One request's scheduling state.
+
+There is no prefill or decode phase: a request has `num_tokens` (prompt + generated so far) and
+`num_computed_tokens` (tokens whose K/V is in the cache). A step computes some of the difference;
+prefill, chunked prefill, decode and resume after recompute are one code path.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Iterable
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0  # queued; has no GPU blocks (new, or preempted for recompute)
+    RUNNING = 1  # holds GPU blocks and is scheduled every step it fits
+    SWAPPED = 2  # its K/V sits in CPU swap blocks; comes back by swap-in
+    FINISHED_STOPPED = 3  # hit a stop token (or a stop string, reported by the engine)
+    FINISHED_LENGTH = 4  # reached max_tokens or the context limit
+    FINISHED_ABORTED = 5  # cancelled by the caller or the controller
+    FINISHED_ERROR = 6  # could never run (e.g. longer than the whole KV pool)
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+class Request:
+    """A request as the scheduler, the KV manager and the policies see it (no tensors)."""
+
+    __slots__ = (
+        "request_id",
+        "tenant",
+        "priority",
+        "prompt_token_ids",
+        "output_token_ids",
+        "all_token_ids",
+        "max_tokens",
+        "stop_token_ids",
+        "arrival_time",
+        "cache_salt",
+        "num_computed_tokens",
+        "status",
+        "num_preemptions",
+        "num_prompt_charged",
+        "sampling_params",
+        "seq",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        max_tokens: int,
+        *,
+        tenant: str = "default",
+        priority: int = 0,
+        stop_token_ids: Iterable[int] = (),
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+        sampling_params: object = None,
+    ) -> None:
+        if not prompt_token_ids:
+            raise ValueError("prompt_token_ids must not be empty")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        self.request_id = request_id
+        self.tenant = tenant
+        self.priority = priority  # higher = more important
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.all_token_ids = list(prompt_token_ids)  # prompt + output, the cache's view
+        self.max_tokens = max_tokens
+        self.stop_token_ids = frozenset(stop_token_ids)
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        # Prefix-cache salt: blocks are shared only between requests with the same salt.
+        # Default: the tenant name, so tenants never share cached blocks.
+        self.cache_salt = tenant if cache_salt is None else cache_salt
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.num_preemptions = 0
+        # Prompt tokens already charged to the tenant: recompute after preemption is not the
+        # tenant's fault and is not charged twice.
+        self.num_prompt_charged = 0
+        self.sampling_params = sampling_params  # opaque to the scheduler; the engine's
+        self.seq = 0  # admission sequence number, set by the scheduler (FIFO tie-break)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status >= RequestStatus.FINISHED_STOPPED
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, tenant={self.tenant!r}, prio={self.priority}, "
+            f"{self.status.name}, computed={self.num_computed_tokens}/{self.num_tokens})"
+        )
