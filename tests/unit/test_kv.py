@@ -70,10 +70,7 @@ def test_hash_is_chained_salted_and_stable_across_processes():
     assert h1 != hash_block(None, [1, 2, 3], "t2")
     assert h1 != hash_block(None, [1, 2, 3], None)
     assert hash_block(h1, [4, 5, 6], "t1") != hash_block(None, [4, 5, 6], "t1")
-    code = (
-        "from fairbatch.kv import hash_block;"
-        "print(hash_block(None, [1, 2, 3], 't1').hex())"
-    )
+    code = "from fairbatch.kv import hash_block;print(hash_block(None, [1, 2, 3], 't1').hex())"
     other = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     ).stdout.strip()

@@ -1,0 +1,22 @@
+"""Who goes next and who gives way: fcfs, round robin, weighted fair (VTC), priority; quotas.
+
+Pure Python: nothing here imports torch, ray, or other fairbatch packages at run time.
+"""
+
+from .base import Policy, TenantSpec
+from .fcfs import FcfsPolicy
+from .priority import PriorityPolicy
+from .registry import POLICIES, make_policy
+from .round_robin import RoundRobinPolicy
+from .weighted_fair import WeightedFairPolicy
+
+__all__ = [
+    "POLICIES",
+    "FcfsPolicy",
+    "Policy",
+    "PriorityPolicy",
+    "RoundRobinPolicy",
+    "TenantSpec",
+    "WeightedFairPolicy",
+    "make_policy",
+]

@@ -1,0 +1,32 @@
+"""First come, first served, across all tenants."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .base import SingleOrderPolicy
+from .queues import HeadOrder, TenantQueue
+
+if TYPE_CHECKING:
+    from fairbatch.scheduler.request import Request
+
+
+class FcfsOrder(HeadOrder):
+    """Global order by `Entry.key`: every requeued request (by .seq), then fresh ones by .seq."""
+
+    def tenant_key(self, tq: TenantQueue) -> tuple:
+        assert tq.head is not None
+        return tq.head.key
+
+    def rank_key(self, req: Request, flag: int) -> tuple:
+        return (flag, req.seq)
+
+
+class FcfsPolicy(SingleOrderPolicy):
+    """`fcfs`: pop order is (requeued first, .seq). rank = (0 requeued | 1 fresh, .seq).
+
+    Counters and service are still kept (victim choice, metrics) but never affect the order.
+    """
+
+    name = "fcfs"
+    order_cls = FcfsOrder

@@ -1,0 +1,230 @@
+"""Queue machinery shared by the policies: entries, lazy-deletion heaps, per-tenant queues.
+
+Every queued request is wrapped in one `Entry` whose `key` is its place inside its tenant:
+`(0, seq, n)` when requeued (preempted work goes first, in `.seq` order), `(1, seq, n)` when
+enqueued fresh, where `n` is the policy's insertion counter (a total order even if two requests
+share a `.seq`). Removal flips `entry.alive`; heaps drop dead entries when they reach the top
+and compact when more than half of them are dead, so every request operation is O(log n).
+
+An `Order` is one ordered queue made of per-tenant queues; it chooses which tenant's head goes
+next. Orders are internal to a `Policy`: they read the policy's counters, quota state and tenant
+registration order, and the policy calls them only through the methods of `Order`.
+"""
+
+from __future__ import annotations
+
+from heapq import heapify, heappop, heappush, heapreplace
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fairbatch.scheduler.request import Request
+
+    from .base import Policy
+
+REQUEUED = 0  # key[0] of a preempted request: ahead of its tenant's fresh ones
+FRESH = 1  # key[0] of a new arrival
+
+EntryKey = tuple[int, int, int]  # (REQUEUED | FRESH, req.seq, insertion number)
+
+
+class Entry:
+    """One queued request. Dead (`alive` False) once popped or removed; never revived."""
+
+    __slots__ = ("req", "key", "alive", "order", "tq")
+
+    def __init__(self, req: Request, key: EntryKey) -> None:
+        self.req = req
+        self.key = key
+        self.alive = True
+        self.order: Order | None = None  # the order holding it (a priority class, or the only one)
+        self.tq: TenantQueue | None = None  # its tenant's queue inside that order
+
+
+class LazyHeap:
+    """A min-heap of `(key, entry)` with lazy deletion: kill the entry, then call `discarded()`."""
+
+    __slots__ = ("items", "live")
+
+    def __init__(self) -> None:
+        self.items: list[tuple[Any, Entry]] = []
+        self.live = 0
+
+    def push(self, key: Any, entry: Entry) -> None:
+        heappush(self.items, (key, entry))
+        self.live += 1
+
+    def top(self) -> Entry | None:
+        """The live entry with the smallest key, dropping dead ones on the way."""
+        items = self.items
+        while items:
+            entry = items[0][1]
+            if entry.alive:
+                return entry
+            heappop(items)
+        return None
+
+    def discarded(self) -> None:
+        """Account for one killed entry; compact when dead ones dominate (amortized O(1))."""
+        self.live -= 1
+        if len(self.items) > 2 * self.live + 64:
+            self.items = [item for item in self.items if item[1].alive]
+            heapify(self.items)
+
+
+class TenantQueue(LazyHeap):
+    """One tenant's waiting requests inside one order, smallest `Entry.key` first."""
+
+    __slots__ = ("name", "ring", "head", "version")
+
+    def __init__(self, name: str, ring: int) -> None:
+        super().__init__()
+        self.name = name
+        self.ring = ring  # the tenant's registration number (round robin's cycle position)
+        self.head: Entry | None = None  # the head as last indexed by a HeadOrder
+        self.version = 0  # bumped on re-indexing; older tenant-heap items are stale
+
+
+class Order:
+    """One ordered queue of entries, split per tenant. Contract for subclasses:
+
+    * `add(entry)` inserts a live entry at its key's place in its tenant's queue.
+    * `discard(entry)` / `taken(entry)` account for an entry the policy already killed;
+      `taken` is used for the entry `select()` just returned (popped), `discard` otherwise.
+    * `select()` returns the entry to serve next among tenants not in `policy._throttled`,
+      or None; it removes nothing (it may tidy internal heaps).
+    * `rank_key(req, flag)` is the order's sort key for `req` (`flag` = REQUEUED or FRESH);
+      the head `select()` returns has the smallest rank_key among eligible queued entries.
+    * `eligibility_changed(tenant)` / `counters_reset()` are called after the tenant entered or
+      left the throttled set, and after counters were set from outside (they may decrease).
+    """
+
+    def __init__(self, policy: Policy) -> None:
+        self._policy = policy
+        self._queues: dict[str, TenantQueue] = {}
+        self._live = 0
+
+    def __len__(self) -> int:
+        return self._live
+
+    def _queue(self, name: str) -> TenantQueue:
+        tq = self._queues.get(name)
+        if tq is None:
+            tq = self._queues[name] = TenantQueue(name, self._policy._ring[name])
+        return tq
+
+    def add(self, entry: Entry) -> None:
+        raise NotImplementedError
+
+    def discard(self, entry: Entry) -> None:
+        raise NotImplementedError
+
+    def taken(self, entry: Entry) -> None:
+        self.discard(entry)
+
+    def select(self) -> Entry | None:
+        raise NotImplementedError
+
+    def rank_key(self, req: Request, flag: int) -> tuple:
+        raise NotImplementedError
+
+    def eligibility_changed(self, tenant: str) -> None:
+        pass
+
+    def counters_reset(self) -> None:
+        pass
+
+
+class HeadOrder(Order):
+    """Serves the eligible tenant whose `tenant_key` is smallest (fcfs, weighted_fair).
+
+    The tenants sit in a heap of `(tenant_key, version, TenantQueue)`. An item is current only
+    while its version equals the queue's; re-indexing pushes a new item and strands the old one.
+    A tenant key that only *grew* since it was pushed (weighted_fair: a counter was charged) is
+    fixed when it surfaces, so `charge()` costs no heap work; anything that can *lower* a key
+    (a new head, counters set from outside, a tenant becoming eligible) re-indexes at once.
+    Throttled tenants are dropped from the heap when they surface and re-indexed on wake-up.
+    """
+
+    def __init__(self, policy: Policy) -> None:
+        super().__init__(policy)
+        self._heap: list[tuple[tuple, int, TenantQueue]] = []
+
+    def tenant_key(self, tq: TenantQueue) -> tuple:
+        """The key of `tq`'s head for choosing among tenants; tq.head is not None."""
+        raise NotImplementedError
+
+    def add(self, entry: Entry) -> None:
+        name = entry.req.tenant
+        tq = self._queues.get(name) or self._queue(name)
+        if tq.live == 0:
+            self.backlogging(tq, entry)
+        tq.push(entry.key, entry)
+        entry.tq = tq
+        self._live += 1
+        # tq.head is always the live entry with the smallest key (None when empty).
+        head = tq.head
+        if head is None or entry.key < head.key:
+            tq.head = entry
+            self._index(tq)
+
+    def backlogging(self, tq: TenantQueue, entry: Entry) -> None:
+        """Hook: `entry` is about to make the empty `tq` non-empty."""
+
+    def discard(self, entry: Entry) -> None:
+        tq = entry.tq
+        assert tq is not None
+        tq.discarded()
+        self._live -= 1
+        if entry is tq.head:
+            tq.head = tq.top()
+            self._index(tq)
+
+    def select(self) -> Entry | None:
+        heap = self._heap
+        throttled = self._policy._throttled
+        while heap:
+            key, version, tq = heap[0]
+            if version != tq.version:
+                heappop(heap)  # stranded by a re-index
+            elif tq.name in throttled:
+                heappop(heap)
+                tq.version += 1  # out of the heap until eligibility_changed re-indexes it
+            else:
+                current = self.tenant_key(tq)
+                if current == key:
+                    return tq.head
+                tq.version += 1  # the key grew since it was pushed: sink it to its place
+                heapreplace(heap, (current, tq.version, tq))
+        return None
+
+    def eligibility_changed(self, tenant: str) -> None:
+        tq = self._queues.get(tenant)
+        if tq is not None:
+            self._index(tq)
+
+    def counters_reset(self) -> None:
+        self._rebuild()
+
+    def _index(self, tq: TenantQueue) -> None:
+        heap = self._heap
+        # After a pop the served tenant's item is usually on top: replace it in one sift.
+        on_top = bool(heap) and heap[0][2] is tq and heap[0][1] == tq.version
+        tq.version += 1
+        if tq.head is None or tq.name in self._policy._throttled:
+            return
+        item = (self.tenant_key(tq), tq.version, tq)
+        if on_top:
+            heapreplace(heap, item)
+        else:
+            heappush(heap, item)
+            if len(heap) > 2 * len(self._queues) + 64:
+                self._rebuild()  # too many stranded items: keep the heap O(tenants)
+
+    def _rebuild(self) -> None:
+        throttled = self._policy._throttled
+        heap = []
+        for tq in self._queues.values():
+            if tq.head is not None and tq.name not in throttled:
+                heap.append((self.tenant_key(tq), tq.version, tq))
+        heapify(heap)
+        self._heap = heap

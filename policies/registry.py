@@ -1,0 +1,25 @@
+"""Policies by name."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from .base import Policy, TenantSpec
+from .fcfs import FcfsPolicy
+from .priority import PriorityPolicy
+from .round_robin import RoundRobinPolicy
+from .weighted_fair import WeightedFairPolicy
+
+POLICIES: dict[str, type[Policy]] = {
+    cls.name: cls for cls in (FcfsPolicy, RoundRobinPolicy, WeightedFairPolicy, PriorityPolicy)
+}
+
+
+def make_policy(name: str, tenants: Iterable[TenantSpec] = (), **kw: Any) -> Policy:
+    """Build the policy registered as `name`; `kw` go to its constructor (unknown ones raise
+    TypeError). An unknown name raises ValueError listing the valid ones."""
+    cls = POLICIES.get(name)
+    if cls is None:
+        raise ValueError(f"unknown policy {name!r}; valid policies: {', '.join(sorted(POLICIES))}")
+    return cls(tenants, **kw)
