@@ -38,6 +38,7 @@ class Scheduler:
         self._seq = 0
         self.num_preemptions = {"swap": 0, "recompute": 0}
         self.num_swapped_blocks = {"out": 0, "in": 0}
+        self.num_prefix_hit_tokens = 0  # prompt tokens served from the prefix cache
 
     # ---- intake -----------------------------------------------------------------------------
 
@@ -207,6 +208,7 @@ class Scheduler:
             # remove, not pop: a victim requeued ahead of it must not take its place
             policy.remove(request)
             request.num_computed_tokens += num_cached_tokens
+            self.num_prefix_hit_tokens += num_cached_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             self._add_scheduled(out, request, n, new_ids)

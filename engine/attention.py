@@ -1,0 +1,403 @@
+"""Paged attention over one flattened step: metadata, and backends chosen through a registry.
+
+A step concatenates the new tokens of many sequences (prefill chunks and single decode tokens
+alike) into one batch of `num_tokens` rows. Sequence `s` owns rows
+`query_start_loc[s] .. query_start_loc[s + 1]`; its context is `seq_lens[s]` tokens, this step's
+included, so its query `i` of `q_len` sits at absolute position `seq_len - q_len + i` and sees keys
+`0 ..` that position (fewer with a sliding window).
+
+KV cache, one tensor per layer: `[2, num_blocks, block_size, num_kv_heads, head_dim]`, index 0 the
+keys, 1 the values. Token position `p` of a sequence lives in block `block_table[p // block_size]`
+at offset `p % block_size`, i.e. flat slot `block_id * block_size + offset`. This is the layout
+vllm-flash-attn reads (`kv_cache[0]`, `kv_cache[1]`: `[num_blocks, block_size, heads, dim]`).
+
+Contract of a backend (stateless; one instance serves every layer):
+* `write_kv(key, value, kv_cache, slot_mapping)` stores this step's K/V; every slot is valid
+  (no padding slots), and it runs before `forward` reads the cache.
+* `forward(q, kv_cache, meta, scale, sliding_window)` -> `[num_tokens, num_heads, head_dim]`,
+  reading only the first `seq_lens[s]` positions of each sequence.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot of each new token
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32: cumulative query lengths
+    seq_lens: torch.Tensor  # [num_seqs] int32: context length incl. this step's tokens
+    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32, padded with 0
+    max_query_len: int
+    max_seq_len: int
+    # CPU copies of the lengths, so backends plan the step without a device sync.
+    query_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+    # Per-step derived tensors, built once by the first layer and reused by the others.
+    _cache: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if len(self.query_lens_cpu) != len(self.seq_lens_cpu):
+            raise ValueError("query_lens_cpu and seq_lens_cpu must have one entry per sequence")
+        for q, n in zip(self.query_lens_cpu, self.seq_lens_cpu):
+            if not 0 < q <= n:
+                raise ValueError(f"need 0 < query_len <= seq_len, got {q} and {n}")
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: Sequence[int],
+        seq_lens: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> tuple[AttentionMetadata, torch.Tensor]:
+        """Metadata and positions `[num_tokens]` for one step, from per-sequence counts.
+
+        `query_lens[s]` new tokens are computed for sequence `s`, whose context is then
+        `seq_lens[s]` tokens; `block_tables[s]` lists its block ids in order and must cover
+        `seq_lens[s]` positions.
+        """
+        q_lens, s_lens = list(query_lens), list(seq_lens)
+        width = max((len(t) for t in block_tables), default=0) or 1
+        tables = torch.zeros((len(s_lens), width), dtype=torch.int32)  # [num_seqs, width]
+        for s, table in enumerate(block_tables):
+            if len(table) * block_size < s_lens[s]:
+                raise ValueError(
+                    f"sequence {s}: {len(table)} blocks of {block_size} cannot hold {s_lens[s]}"
+                )
+            tables[s, : len(table)] = torch.tensor(table, dtype=torch.int32)
+        q_t = torch.tensor(q_lens, dtype=torch.int64)  # [num_seqs]
+        seq_of_token = torch.repeat_interleave(torch.arange(len(q_lens)), q_t)  # [num_tokens]
+        starts = torch.zeros(len(q_lens) + 1, dtype=torch.int64)
+        starts[1:] = torch.cumsum(q_t, 0)
+        # position = (seq_len - q_len) + index within this step's tokens of the sequence
+        first_pos = torch.tensor(s_lens, dtype=torch.int64) - q_t  # [num_seqs]
+        positions = (
+            first_pos[seq_of_token] + torch.arange(int(starts[-1])) - starts[:-1][seq_of_token]
+        )
+        blocks = tables[seq_of_token, positions // block_size].to(torch.int64)
+        slots = blocks * block_size + positions % block_size  # [num_tokens]
+        meta = cls(
+            slot_mapping=slots.to(device),
+            query_start_loc=starts.to(torch.int32).to(device),
+            seq_lens=torch.tensor(s_lens, dtype=torch.int32).to(device),
+            block_tables=tables.to(device),
+            max_query_len=max(q_lens, default=0),
+            max_seq_len=max(s_lens, default=0),
+            query_lens_cpu=q_lens,
+            seq_lens_cpu=s_lens,
+        )
+        return meta, positions.to(device)
+
+
+class AttentionBackend:
+    """Base class; see the module docstring for the contract."""
+
+    name: ClassVar[str]
+
+    @staticmethod
+    def kv_cache_shape(
+        num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+    ) -> tuple[int, ...]:
+        return (2, num_blocks, block_size, num_kv_heads, head_dim)
+
+    @classmethod
+    def unsupported_reason(
+        cls, device: torch.device, head_dim: int | None = None, dtype: torch.dtype | None = None
+    ) -> str | None:
+        """None if this backend can run with these settings, else why not."""
+        return None
+
+    def check_block_size(self, block_size: int) -> None:
+        """Raise ValueError if this backend cannot read caches with this block size."""
+
+    def write_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        # key, value: [num_tokens, num_kv_heads, head_dim]; kv_cache must be contiguous so the
+        # flat view aliases it.
+        _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+        flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
+        flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
+        flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """Reference backend in plain torch (CPU and CUDA).
+
+    Decode sequences (q_len == 1) run together in ONE padded, masked SDPA call; prefill chunks
+    run one call each. Two choices keep it quick on CPU, where copying K/V dominates:
+    * K/V are gathered straight into SDPA's `[..., kv_heads, len, dim]` order by selecting rows
+      of the cache viewed as `[slots * kv_heads, dim]`: one copy, no transpose afterwards.
+    * GQA folds the query heads sharing a KV head into the query-length axis
+      (`[kv_heads, group * q_len, dim]`), so K/V are never repeated per query head (and no
+      reliance on SDPA's `enable_gqa`, absent from older torch).
+    """
+
+    name = "torch"
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+        keys = kv_cache[0].view(-1, head_dim)  # [num_slots * Hkv, D]
+        values = kv_cache[1].view(-1, head_dim)
+        group = q.shape[1] // num_kv_heads
+        key = ("torch", block_size, num_kv_heads, group, sliding_window, q.device)
+        plan = meta._cache.get(key)
+        if plan is None:
+            plan = _TorchPlan.make(meta, block_size, num_kv_heads, group, sliding_window, q.device)
+            meta._cache[key] = plan
+        out = torch.empty_like(q)
+
+        if plan.decode_rows is not None:
+            b, _, max_len = plan.decode_gather.shape
+            flat_rows = plan.decode_gather.view(-1)
+            qd = _fold(q[plan.decode_rows].unsqueeze(1), num_kv_heads, group)  # [B, Hkv, G, D]
+            kd = keys.index_select(0, flat_rows).view(b, num_kv_heads, max_len, head_dim)
+            vd = values.index_select(0, flat_rows).view(b, num_kv_heads, max_len, head_dim)
+            od = F.scaled_dot_product_attention(qd, kd, vd, plan.decode_mask, scale=scale)
+            out[plan.decode_rows] = _unfold(od, 1).squeeze(1)  # [B, H, D]
+
+        for start, q_len, gather, mask in plan.prefills:
+            qp = _fold(q[start : start + q_len].unsqueeze(0), num_kv_heads, group)  # [1,Hkv,G*q,D]
+            kp = keys.index_select(0, gather).view(1, num_kv_heads, -1, head_dim)  # [1, Hkv, L, D]
+            vp = values.index_select(0, gather).view(1, num_kv_heads, -1, head_dim)
+            op = F.scaled_dot_product_attention(qp, kp, vp, mask, scale=scale)
+            out[start : start + q_len] = _unfold(op, q_len)[0]  # [q_len, H, D]
+        return out
+
+
+def _fold(q: torch.Tensor, num_kv_heads: int, group: int) -> torch.Tensor:
+    # [B, q_len, H, D] -> [B, Hkv, G * q_len, D]; query head h uses KV head h // G (HF repeat_kv)
+    b, q_len, _, d = q.shape
+    q = q.view(b, q_len, num_kv_heads, group, d).permute(0, 2, 3, 1, 4)
+    return q.reshape(b, num_kv_heads, group * q_len, d)
+
+
+def _unfold(o: torch.Tensor, q_len: int) -> torch.Tensor:
+    # [B, Hkv, G * q_len, D] -> [B, q_len, H, D]
+    b, num_kv_heads, gq, d = o.shape
+    o = o.view(b, num_kv_heads, gq // q_len, q_len, d).permute(0, 3, 1, 2, 4)
+    return o.reshape(b, q_len, -1, d)
+
+
+@dataclass
+class _TorchPlan:
+    """Gather indices and masks of one step, built once and shared by every layer."""
+
+    decode_rows: torch.Tensor | None  # [B] batch row of each decode sequence's token
+    decode_gather: torch.Tensor | None  # [B, Hkv, Lmax] rows of the [slots * Hkv, D] cache view
+    decode_mask: torch.Tensor | None  # [B, 1, 1, Lmax] True where the key is visible
+    # per prefill chunk: first batch row, q_len, gather rows [Hkv * L], mask [G * q_len, L]
+    prefills: list[tuple[int, int, torch.Tensor, torch.Tensor]]
+
+    @classmethod
+    def make(
+        cls,
+        meta: AttentionMetadata,
+        block_size: int,
+        num_kv_heads: int,
+        group: int,
+        window: int | None,
+        device: torch.device,
+    ) -> _TorchPlan:
+        starts = [0]
+        for q_len in meta.query_lens_cpu:
+            starts.append(starts[-1] + q_len)
+        decode = [s for s, q_len in enumerate(meta.query_lens_cpu) if q_len == 1]
+        tables = meta.block_tables.to(device=device, dtype=torch.int64)
+        heads = torch.arange(num_kv_heads, device=device)[:, None]  # [Hkv, 1]
+
+        decode_rows = decode_gather = decode_mask = None
+        if decode:
+            lens = torch.tensor([meta.seq_lens_cpu[s] for s in decode], device=device)  # [B]
+            key_pos = torch.arange(max(meta.seq_lens_cpu[s] for s in decode), device=device)
+            last = (lens - 1)[:, None]  # [B, 1] position of each decode query
+            # Padding reads the sequence's own last key: real, finite data that the mask hides
+            # (an unwritten slot could hold NaN, and a mask does not neutralise NaN).
+            idx = torch.tensor(decode, device=device)
+            slots = _slots(tables[idx], torch.minimum(key_pos[None, :], last), block_size)
+            decode_gather = slots[:, None, :] * num_kv_heads + heads  # [B, Hkv, Lmax]
+            # Causal (and windowed) w.r.t. the query at L - 1; this also hides the padding.
+            decode_mask = _visible(key_pos[None, :], last, window)[:, None, None, :]
+            decode_rows = torch.tensor([starts[s] for s in decode], device=device)
+
+        prefills = []
+        for s, q_len in enumerate(meta.query_lens_cpu):
+            if q_len == 1:
+                continue
+            seq_len = meta.seq_lens_cpu[s]
+            key_pos = torch.arange(seq_len, device=device)  # [L]
+            slots = _slots(tables[s : s + 1], key_pos[None, :], block_size)  # [1, L]
+            gather = (slots * num_kv_heads + heads).view(-1)  # [Hkv * L]
+            q_pos = key_pos[seq_len - q_len :, None]  # [q_len, 1]
+            mask = _visible(key_pos[None, :], q_pos, window)  # [q_len, L]
+            mask = mask.repeat(group, 1)  # [G * q_len, L]: folded row g * q_len + i is query i
+            prefills.append((starts[s], q_len, gather, mask))
+        return cls(decode_rows, decode_gather, decode_mask, prefills)
+
+
+def _slots(tables: torch.Tensor, pos: torch.Tensor, block_size: int) -> torch.Tensor:
+    # tables [B, max_blocks] int64, pos [B, L] -> flat cache slots [B, L]
+    return torch.gather(tables, 1, pos // block_size) * block_size + pos % block_size
+
+
+def _visible(key_pos: torch.Tensor, query_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    # Causal, plus HF's sliding window: key j visible to query p iff p - window < j <= p.
+    mask = key_pos <= query_pos
+    if window is not None:
+        mask &= key_pos > query_pos - window
+    return mask
+
+
+# Head sizes vllm-flash-attn compiles kernels for (vLLM's FlashAttentionBackend list).
+FLASH_HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
+
+
+def _import_flash() -> Any:
+    try:
+        module = importlib.import_module("vllm_flash_attn")
+    except Exception:  # ImportError, or a wheel built for another torch/CUDA failing to load
+        return None
+    return getattr(module, "flash_attn_varlen_func", None)
+
+
+class FlashAttentionBackend(AttentionBackend):
+    """vllm-flash-attn's varlen kernel reading the paged cache through the block tables (CUDA).
+
+    One kernel call covers the whole mixed batch: `causal=True` aligns the mask bottom-right,
+    which is exactly "query i of q_len sits at seq_len - q_len + i".
+    """
+
+    name = "flash"
+
+    def __init__(self) -> None:
+        fn = _import_flash()
+        if fn is None:
+            raise RuntimeError(_FLASH_MISSING)
+        self._fn = fn
+        try:
+            params = inspect.signature(fn).parameters
+        except (TypeError, ValueError):
+            params = {}
+        # vLLM's builds take the per-sequence K lengths as `seqused_k`; upstream-style 2.6
+        # builds only know cumulative `cu_seqlens_k`. Both describe the same lengths.
+        self._seqused_k = "seqused_k" in params or not params
+
+    @classmethod
+    def unsupported_reason(
+        cls, device: torch.device, head_dim: int | None = None, dtype: torch.dtype | None = None
+    ) -> str | None:
+        if device.type != "cuda" or not torch.cuda.is_available():
+            return f"needs a CUDA device, got {device}"
+        if _import_flash() is None:
+            return _FLASH_MISSING
+        if head_dim is not None and head_dim not in FLASH_HEAD_DIMS:
+            return f"head_dim {head_dim} not in {FLASH_HEAD_DIMS}"
+        if dtype is not None and dtype not in (torch.float16, torch.bfloat16):
+            return f"needs float16 or bfloat16, got {dtype}"
+        return None
+
+    def check_block_size(self, block_size: int) -> None:
+        if block_size % 16:
+            raise ValueError(f"flash attention needs a block_size multiple of 16, got {block_size}")
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        self.check_block_size(kv_cache.shape[2])
+        kwargs: dict[str, Any] = {}
+        if self._seqused_k:
+            kwargs["seqused_k"] = meta.seq_lens
+        else:
+            cu = meta._cache.get("cu_seqlens_k")
+            if cu is None:
+                cu = torch.zeros(meta.num_seqs + 1, dtype=torch.int32, device=q.device)
+                cu[1:] = torch.cumsum(meta.seq_lens, 0)
+                meta._cache["cu_seqlens_k"] = cu
+            kwargs["cu_seqlens_k"] = cu
+        if sliding_window is not None:
+            kwargs["window_size"] = (sliding_window - 1, 0)  # p - (w - 1) .. p, as HF masks
+        return self._fn(
+            q=q,
+            k=kv_cache[0],  # [num_blocks, block_size, num_kv_heads, head_dim]
+            v=kv_cache[1],
+            cu_seqlens_q=meta.query_start_loc,
+            max_seqlen_q=meta.max_query_len,
+            max_seqlen_k=meta.max_seq_len,
+            softmax_scale=scale,
+            causal=True,
+            block_table=meta.block_tables,
+            **kwargs,
+        )
+
+
+_FLASH_MISSING = "vllm_flash_attn is not importable (install the `gpu` extra on a CUDA machine)"
+
+ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {
+    "torch": TorchAttentionBackend,
+    "flash": FlashAttentionBackend,
+}
+
+
+def get_attn_backend(
+    name: str | None,
+    device: torch.device | str,
+    *,
+    head_dim: int | None = None,
+    dtype: torch.dtype | None = None,
+) -> AttentionBackend:
+    """The backend called `name`; None (or "auto"): flash where it can run, else torch.
+
+    `head_dim` and `dtype`, when given, are checked too, so "auto" never picks a backend that
+    would fail on the first forward.
+    """
+    device = torch.device(device)
+    if name is None or name == "auto":
+        usable = FlashAttentionBackend.unsupported_reason(device, head_dim, dtype) is None
+        name = "flash" if usable else "torch"
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; known: {sorted(ATTENTION_BACKENDS)}")
+    backend_cls = ATTENTION_BACKENDS[name]
+    reason = backend_cls.unsupported_reason(device, head_dim, dtype)
+    if reason is not None:
+        raise ValueError(f"attention backend {name!r} cannot run here: {reason}")
+    return backend_cls()

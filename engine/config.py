@@ -1,0 +1,172 @@
+"""The shape of a Llama-family model, read from a Hugging Face `config.json`.
+
+A pure dataclass: building one never touches the disk, so the scheduler, the simulated runner and
+tests can describe a model without a checkpoint. `from_hf_dict` takes the parsed `config.json`
+(both the transformers 4.x layout, `rope_theta` + `rope_scaling`, and the 5.x layout,
+`rope_parameters`) and normalises it.
+
+Sliding-window attention (Mistral): implemented. A window `w` means query position `p` sees keys
+`p - w + 1 .. p`, as Hugging Face masks it. A window at least as long as
+`max_position_embeddings` can never bind, so it is dropped. Qwen2's per-layer windows
+(`use_sliding_window` with `max_window_layers`) are not implemented and raise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# Architecture name in `config.json` -> HF `model_type`; the decoder is the same for all three.
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "MistralForCausalLM": "mistral",
+}
+# rope_type values whose inv_freq we compute exactly as transformers does.
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    # None for plain RoPE; else {"rope_type": "llama3" | "linear", ...HF keys}.
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 2048
+    attention_bias: bool = False  # bias on q/k/v projections
+    o_proj_bias: bool = False  # bias on the output projection (Llama's attention_bias sets both)
+    mlp_bias: bool = False
+    tie_word_embeddings: bool = False
+    sliding_window: int | None = None  # None: full causal attention
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    architecture: str = "LlamaForCausalLM"
+    dtype: str | None = None  # the checkpoint's dtype name ("bfloat16", ...), informational
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(_unsupported(self.architecture))
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        architecture = _architecture(d)
+        max_pos = int(d.get("max_position_embeddings", 2048))
+        hidden = int(d["hidden_size"])
+        num_heads = int(d["num_attention_heads"])
+
+        act = d.get("hidden_act", "silu")
+        if act != "silu":
+            raise NotImplementedError(f"hidden_act={act!r}: only 'silu' (SwiGLU) is implemented")
+        rope_theta, rope_scaling = _rope(d, max_pos)
+
+        if architecture == "Qwen2ForCausalLM":
+            qkv_bias, o_bias, mlp_bias = True, False, False  # Qwen2 always has qkv bias
+        elif architecture == "MistralForCausalLM":
+            qkv_bias, o_bias, mlp_bias = False, False, False
+        else:
+            qkv_bias = o_bias = bool(d.get("attention_bias", False))
+            mlp_bias = bool(d.get("mlp_bias", False))
+
+        return cls(
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(d["intermediate_size"]),
+            num_hidden_layers=int(d["num_hidden_layers"]),
+            num_attention_heads=num_heads,
+            num_key_value_heads=int(d.get("num_key_value_heads") or num_heads),
+            head_dim=int(d.get("head_dim") or hidden // num_heads),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=max_pos,
+            attention_bias=qkv_bias,
+            o_proj_bias=o_bias,
+            mlp_bias=mlp_bias,
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            sliding_window=_sliding_window(d, architecture, max_pos),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=eos_ids(d.get("eos_token_id")),
+            architecture=architecture,
+            dtype=d.get("torch_dtype") or d.get("dtype"),
+        )
+
+
+def eos_ids(value: int | list[int] | None) -> tuple[int, ...]:
+    """`eos_token_id` is an int, a list of ints (Llama 3.1) or absent."""
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def _unsupported(name: str) -> str:
+    return f"unsupported architecture {name!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+
+
+def _architecture(d: dict[str, Any]) -> str:
+    names = d.get("architectures") or []
+    if names:
+        if names[0] not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(_unsupported(names[0]))
+        return names[0]
+    # A config built in code (not from a model) has no `architectures`; fall back on model_type.
+    by_type = {t: a for a, t in SUPPORTED_ARCHITECTURES.items()}
+    model_type = d.get("model_type")
+    if model_type not in by_type:
+        raise ValueError(_unsupported(f"model_type={model_type}"))
+    return by_type[model_type]
+
+
+def _rope(d: dict[str, Any], max_pos: int) -> tuple[float, dict[str, Any] | None]:
+    # transformers 5 writes `rope_parameters` (theta inside); 4.x writes `rope_theta` and an
+    # optional `rope_scaling` whose type key is `rope_type` or, older still, `type`.
+    params = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+    theta = float(params.pop("rope_theta", None) or d.get("rope_theta") or 10000.0)
+    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    params.pop("type", None)
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise NotImplementedError(
+            f"rope_type={rope_type!r} is not implemented; supported: {SUPPORTED_ROPE_TYPES}"
+        )
+    if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise NotImplementedError("partial_rotary_factor != 1 is not implemented")
+    if rope_type == "default":
+        return theta, None
+    if rope_type == "llama3":
+        # HF falls back on max_position_embeddings when the original length is not given.
+        params.setdefault("original_max_position_embeddings", max_pos)
+    return theta, {"rope_type": rope_type, **params}
+
+
+def _sliding_window(d: dict[str, Any], architecture: str, max_pos: int) -> int | None:
+    window = d.get("sliding_window")
+    if architecture == "Qwen2ForCausalLM":
+        # Qwen2 checkpoints carry a window that is off unless use_sliding_window says so.
+        if d.get("use_sliding_window") and window is not None and window < max_pos:
+            raise NotImplementedError(
+                "Qwen2 use_sliding_window (per-layer windows via max_window_layers) is not "
+                "implemented"
+            )
+        return None
+    if architecture == "MistralForCausalLM" and window is not None and int(window) < max_pos:
+        return int(window)
+    return None  # Llama has no window; a window >= max_position_embeddings never binds

@@ -1,0 +1,178 @@
+"""EngineCore: one replica's step loop - schedule, swap copies + forward + sample, update.
+
+The engine adds what the scheduler does not know about: text (tokenization, incremental
+detokenization, stop strings), sampling parameters, and the K/V bytes behind the scheduler's
+block ids when a request moves between replicas.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+from fairbatch.engine.detokenizer import IncrementalDetokenizer
+from fairbatch.engine.sampling_params import SamplingParams
+from fairbatch.scheduler import Request, RequestStatus, Scheduler
+
+
+@dataclass
+class RequestDelta:
+    """What one step added to one request (the streaming unit)."""
+
+    request_id: str
+    token_ids: list[int]  # new token ids (0 or 1 per step)
+    text: str  # new text ("" when no tokenizer, or held back at a UTF-8/stop boundary)
+    finished: bool
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    logprobs: list[Any] | None = None  # the sampler's record per new token, when asked
+
+
+@dataclass
+class MigratedRequest:
+    """A request in transit between replicas (picklable; K/V as numpy when it was swapped)."""
+
+    request: Request
+    kv_blocks: Any = None  # np.ndarray [layers, 2, n, block_size, kv_heads, head_dim] or None
+    extra: dict = field(default_factory=dict)
+
+
+class EngineCore:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        runner: Any,  # ModelRunner, SimRunner or FakeRunner: execute(SchedulerOutput)
+        tokenizer: Any = None,
+        eos_token_ids: tuple[int, ...] = (),
+    ) -> None:
+        self.scheduler = scheduler
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.detoks: dict[str, IncrementalDetokenizer] = {}
+        self._ids = itertools.count()
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        tenant: str = "default",
+        priority: int = 0,
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+    ) -> Request:
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer; pass token ids instead")
+            prompt_ids = self.tokenizer.encode(prompt)
+        else:
+            prompt_ids = [int(t) for t in prompt]
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        vocab = getattr(self.tokenizer, "vocab_size", None)
+        if vocab is not None and any(t < 0 or t >= vocab for t in prompt_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        stop_ids = list(params.stop_token_ids or ())
+        if not params.ignore_eos:
+            stop_ids.extend(self.eos_token_ids)
+        request = Request(
+            request_id or f"req-{next(self._ids)}",
+            prompt_ids,
+            params.max_tokens,
+            tenant=tenant,
+            priority=priority,
+            stop_token_ids=stop_ids,
+            arrival_time=arrival_time,
+            cache_salt=cache_salt,
+            sampling_params=params,
+        )
+        self.scheduler.add_request(request)  # raises on duplicates / prompts over the limit
+        self._attach_detokenizer(request)
+        return request
+
+    def _attach_detokenizer(self, request: Request) -> None:
+        if self.tokenizer is None:
+            return
+        params = request.sampling_params or SamplingParams()
+        detok = IncrementalDetokenizer(
+            self.tokenizer,
+            request.prompt_token_ids,
+            skip_special_tokens=params.skip_special_tokens,
+            stop=params.stop or (),
+            include_stop_str_in_output=params.include_stop_str_in_output,
+        )
+        for token in request.output_token_ids:  # a migrated request: text already delivered
+            detok.add_token(token)
+        self.detoks[request.request_id] = detok
+
+    def abort(self, request_id: str) -> bool:
+        self.detoks.pop(request_id, None)
+        return self.scheduler.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # ---- the step ---------------------------------------------------------------------------
+
+    def step(self) -> list[RequestDelta]:
+        out = self.scheduler.schedule()
+        runner_out = self.runner.execute(out)
+        updates = self.scheduler.update_from_output(out, runner_out)
+        deltas = []
+        for u in updates:
+            text, finished, reason = "", u.finished, u.finish_reason
+            detok = self.detoks.get(u.request_id)
+            if detok is not None:
+                for token in u.new_token_ids:
+                    text += detok.add_token(token)
+                if detok.stopped and not finished:
+                    # A stop string ended it: the scheduler frees its blocks now.
+                    self.scheduler.finish_request(u.request_id, RequestStatus.FINISHED_STOPPED)
+                    finished, reason = True, "stop"
+                elif finished and not detok.stopped:
+                    text += detok.finish()
+                if finished:
+                    del self.detoks[u.request_id]
+            lp = runner_out.logprobs.get(u.request_id) if runner_out.logprobs else None
+            deltas.append(
+                RequestDelta(
+                    u.request_id, u.new_token_ids, text, finished, reason, [lp] if lp else None
+                )
+            )
+        return deltas
+
+    # ---- controller hooks -------------------------------------------------------------------
+
+    def preempt(self, request_id: str, mode: str = "auto") -> bool:
+        out = self.scheduler.preempt(request_id, mode)
+        if out is None:
+            return False
+        self.runner.execute(out)  # issues the swap-out copies; schedules nothing
+        return True
+
+    def export_request(self, request_id: str) -> MigratedRequest:
+        """Take a waiting or swapped request out, with its K/V bytes if it was swapped."""
+        request, cpu_ids = self.scheduler.export_request(request_id)
+        self.detoks.pop(request_id, None)
+        blocks = None
+        if cpu_ids is not None and hasattr(self.runner, "cache"):
+            blocks = self.runner.cache.export_blocks(cpu_ids)  # read before the next step
+        if blocks is None:
+            request.num_computed_tokens = 0  # no K/V travels with it: resume by recompute
+        return MigratedRequest(request, blocks)
+
+    def import_request(self, migrated: MigratedRequest) -> None:
+        request = migrated.request
+        num_blocks = 0 if migrated.kv_blocks is None else migrated.kv_blocks.shape[2]
+        cpu_ids = self.scheduler.import_request(request, num_blocks)
+        if cpu_ids is not None:
+            self.runner.cache.import_blocks(cpu_ids, migrated.kv_blocks)
+        self._attach_detokenizer(request)
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()

@@ -1,0 +1,178 @@
+"""The offline API, as vLLM users know it: `LLM(...).generate(prompts, params)`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fairbatch.engine.core import EngineCore
+from fairbatch.engine.runner import ModelRunner
+from fairbatch.engine.sampler import Sampler
+from fairbatch.engine.sampling_params import SamplingParams
+from fairbatch.kv.cache_engine import (
+    CacheEngine,
+    KVLayout,
+    cuda_kv_budget,
+    num_blocks_for_budget,
+)
+from fairbatch.kv.manager import KVCacheManager
+from fairbatch.policies import TenantSpec, make_policy
+from fairbatch.scheduler import Scheduler, SchedulerConfig
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # generated token ids
+    text: str
+    finish_reason: str | None  # "stop" | "length" | "abort"
+    logprobs: list[Any] | None = None
+
+
+def load_model(model: str, device: torch.device, dtype, attn_backend):
+    """(model, config, tokenizer, eos ids) for "tiny" or a Hugging Face model directory."""
+    if model == "tiny":
+        from fairbatch.engine.tiny import build_tiny
+
+        m, config, tok = build_tiny(device, dtype, attn_backend)
+        return m, config, tok, tuple(tok.eos_token_ids)
+    from fairbatch.engine.loader import load_hf_model
+    from fairbatch.engine.tokenizer import Tokenizer
+
+    m, config, generation = load_hf_model(model, device, dtype, attn_backend)
+    tok = Tokenizer.from_dir(model) if (Path(model) / "tokenizer.json").is_file() else None
+    eos = tuple(generation.get("eos_token_ids") or ())
+    if tok is not None:
+        eos = tuple(dict.fromkeys([*eos, *tok.eos_token_ids]))
+    return m, config, tok, eos
+
+
+def build_engine(
+    model: str = "tiny",
+    *,
+    device: str = "cpu",
+    dtype: torch.dtype | None = None,
+    attn_backend: str | None = None,
+    block_size: int = 16,
+    num_gpu_blocks: int | None = None,
+    num_cpu_blocks: int | None = None,
+    kv_cache_bytes: int = 256 << 20,
+    swap_space_bytes: int = 256 << 20,
+    gpu_memory_utilization: float = 0.9,
+    max_num_seqs: int = 128,
+    max_num_batched_tokens: int = 2048,
+    max_model_len: int | None = None,
+    enable_prefix_caching: bool = True,
+    preemption_mode: str = "auto",
+    policy: str = "fcfs",
+    tenants: list[TenantSpec] | None = None,
+    seed: int = 0,
+) -> EngineCore:
+    """An EngineCore on the real model. KV sizing: explicit block counts win; otherwise
+    `kv_cache_bytes` on CPU, or `gpu_memory_utilization` of the device on CUDA."""
+    dev = torch.device(device)
+    m, config, tok, eos = load_model(model, dev, dtype, attn_backend)
+    param_dtype = next(m.parameters()).dtype
+    layout = KVLayout(
+        config.num_hidden_layers,
+        config.num_key_value_heads,
+        config.head_dim,
+        block_size,
+        param_dtype,
+    )
+    if num_gpu_blocks is None:
+        budget = (
+            cuda_kv_budget(gpu_memory_utilization, dev) if dev.type == "cuda" else kv_cache_bytes
+        )
+        num_gpu_blocks = num_blocks_for_budget(layout, budget)
+    if num_gpu_blocks < 1:
+        raise ValueError("no memory left for the KV cache; lower the model size or raise limits")
+    if num_cpu_blocks is None:
+        num_cpu_blocks = num_blocks_for_budget(layout, swap_space_bytes)
+    max_len = min(max_model_len or config.max_position_embeddings, config.max_position_embeddings)
+    sched_cfg = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_len,
+        preemption_mode=preemption_mode,
+        kv_bytes_per_token=layout.bytes_per_token,
+    )
+    kv = KVCacheManager(num_gpu_blocks, block_size, num_cpu_blocks, enable_prefix_caching)
+    scheduler = Scheduler(sched_cfg, kv, make_policy(policy, tenants or ()))
+    cache = CacheEngine(layout, num_gpu_blocks, num_cpu_blocks, dev)
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    runner = ModelRunner(m, cache, Sampler(generator=gen))
+    engine = EngineCore(scheduler, runner, tok, eos)
+    engine.model_config = config
+    return engine
+
+
+class LLM:
+    """Offline batch generation. Keyword arguments are those of `build_engine`."""
+
+    def __init__(self, model: str = "tiny", **kwargs: Any) -> None:
+        self.engine = build_engine(model, **kwargs)
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: list[str] | list[list[int]] | str,
+        params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in input order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        if isinstance(params, list):
+            if len(params) != len(prompts):
+                raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+            plist = params
+        else:
+            plist = [params or SamplingParams()] * len(prompts)
+        engine = self.engine
+        outputs: dict[str, RequestOutput] = {}
+        order = []
+        for prompt, p in zip(prompts, plist):
+            try:
+                req = engine.add_request(prompt, p)
+            except Exception:
+                for rid in order:  # all or nothing: a bad prompt leaves no work behind
+                    engine.abort(rid)
+                engine.scheduler.schedule()  # drain the abort notices
+                raise
+            order.append(req.request_id)
+            outputs[req.request_id] = RequestOutput(
+                req.request_id,
+                prompt if isinstance(prompt, str) else None,
+                list(req.prompt_token_ids),
+                [],
+                "",
+                None,
+                [] if p.logprobs is not None else None,
+            )
+        bar = None
+        if use_tqdm and len(prompts) >= 8:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(prompts), desc="generate", unit="req")
+        try:
+            while engine.has_unfinished():
+                for d in engine.step():
+                    o = outputs[d.request_id]
+                    o.token_ids.extend(d.token_ids)
+                    o.text += d.text
+                    if d.logprobs and o.logprobs is not None:
+                        o.logprobs.extend(d.logprobs)
+                    if d.finished:
+                        o.finish_reason = d.finish_reason
+                        if bar is not None:
+                            bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+        return [outputs[rid] for rid in order]

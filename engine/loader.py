@@ -1,0 +1,95 @@
+"""Load a Hugging Face model directory into `LlamaForCausalLM` (weights only; no tokenizer).
+
+Reads `config.json`, the safetensors weights (one `model.safetensors`, or shards listed by
+`model.safetensors.index.json`) and, when present, `generation_config.json`. The model is built
+on the meta device and materialised directly on the target device in the target dtype, so no
+throw-away random initialisation runs; `load_weights` then fails loudly on any tensor the
+checkpoint lacks, which is what makes skipping the initialisation safe.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from fairbatch.engine.attention import get_attn_backend
+from fairbatch.engine.config import ModelConfig, eos_ids
+from fairbatch.engine.model import LlamaForCausalLM
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def load_hf_model(
+    path: str | Path,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype | None = None,
+    attn_backend: str | None = None,
+) -> tuple[LlamaForCausalLM, ModelConfig, dict[str, Any]]:
+    """Returns (model in eval mode, its config, generation defaults).
+
+    dtype: float32 on CPU, bfloat16 on CUDA, unless given. attn_backend: a registry name, or
+    None for flash where it can run and torch elsewhere (checked here, not at the first step).
+    The generation dict is `generation_config.json` as written, plus `eos_token_ids`: a list
+    built from its `eos_token_id` (an int or a list), else from `config.json`'s.
+    """
+    root = Path(path)
+    if not root.is_dir():
+        raise FileNotFoundError(f"model directory {root} does not exist")
+    config_file = root / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{root} has no config.json")
+    config = ModelConfig.from_hf_dict(json.loads(config_file.read_text()))
+    generation = _generation_defaults(root, config)
+
+    device = torch.device(device)
+    if dtype is None:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    # Resolve now so a backend that cannot run here fails before the weights are read.
+    backend = get_attn_backend(attn_backend, device, head_dim=config.head_dim, dtype=dtype)
+
+    files = weight_files(root)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, attn_backend=backend.name)
+    model = model.to(dtype).to_empty(device=device)
+    model.load_weights(_iter_tensors(files))
+    return model.eval(), config, generation
+
+
+def weight_files(root: Path) -> list[Path]:
+    """The safetensors files of a checkpoint, in a stable order."""
+    index = root / INDEX_FILE
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        files = [root / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{INDEX_FILE} in {root} lists missing shard(s): {missing}")
+        return files
+    single = root / SINGLE_FILE
+    if single.is_file():
+        return [single]
+    others = sorted(p.name for p in root.glob("*.bin")) + sorted(p.name for p in root.glob("*.pt"))
+    hint = f" (found {others}: only safetensors is supported)" if others else ""
+    raise FileNotFoundError(f"{root} has neither {SINGLE_FILE} nor {INDEX_FILE}{hint}")
+
+
+def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    # One tensor at a time, so peak host memory is one tensor, not the checkpoint.
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                yield name, f.get_tensor(name)
+
+
+def _generation_defaults(root: Path, config: ModelConfig) -> dict[str, Any]:
+    file = root / "generation_config.json"
+    generation: dict[str, Any] = json.loads(file.read_text()) if file.is_file() else {}
+    eos = eos_ids(generation.get("eos_token_id")) or config.eos_token_ids
+    generation["eos_token_ids"] = list(eos)
+    return generation

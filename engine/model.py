@@ -1,0 +1,283 @@
+"""Llama-family decoder (Llama, Qwen2, Mistral) over one flattened, paged batch.
+
+A step's tokens from many sequences (prefill chunks and decode tokens alike) are concatenated
+into `[num_tokens]`; `positions` gives each token's absolute position and `AttentionMetadata`
+says which sequence it belongs to and where its K/V go. Every projection runs once over all
+tokens; only attention looks at sequence boundaries.
+
+Numerics follow transformers token for token: RMSNorm in float32, RoPE cos/sin from float32
+positions times float32 inverse frequencies, then cast to the activation dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fairbatch.engine.attention import AttentionBackend, AttentionMetadata, get_attn_backend
+from fairbatch.engine.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 even for bf16 activations, as HF does.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """`[head_dim // 2]` float32 inverse frequencies, computed as transformers computes them."""
+    dim = config.head_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+    inv_freq = 1.0 / (config.rope_theta**exponents)
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling["rope_type"] == "linear":
+        return inv_freq / scaling["factor"]
+    # llama3: keep high frequencies, divide low ones by `factor`, interpolate in between.
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    low_freq_wavelen, high_freq_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        # A plain attribute, not a buffer: the loader builds the model on the meta device, and
+        # this must survive that; it moves to the activations' device on first use.
+        self.inv_freq = rope_inv_freq(config)  # [head_dim // 2]
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions [T]; q [T, H, D]; k [T, Hkv, D]
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]
+        cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.sliding_window = config.sliding_window
+        # q, k and v fused into one matmul; load_weights fills the three row ranges.
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
+        self.rotary = rotary
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [T]
+        x: torch.Tensor,  # [T, hidden]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        q, k = self.rotary(positions, q, k)
+        # Write first: attention reads this step's keys back from the cache with the context.
+        backend.write_kv(k, v, kv_cache, meta.slot_mapping)
+        out = backend.forward(q, kv_cache, meta, self.scale, self.sliding_window)  # [T, H, D]
+        return self.o_proj(out.reshape(t, self.q_size))  # [T, hidden]
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        # gate and up fused into one matmul: rows [0, I) gate, [I, 2I) up.
+        self.gate_up_proj = nn.Linear(
+            config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias
+        )
+        self.down_proj = nn.Linear(
+            config.intermediate_size, config.hidden_size, bias=config.mlp_bias
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # [T, I] each
+        return self.down_proj(F.silu(gate) * up)  # [T, hidden]
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, rotary)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,  # [T, hidden]
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        x = x + self.self_attn(positions, h, kv_cache, meta, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.rotary = RotaryEmbedding(config)  # shared by all layers; holds no parameters
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, self.rotary) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama / Qwen2 / Mistral for inference over paged KV caches.
+
+    `attn_backend`: a name from `ATTENTION_BACKENDS`, or None for automatic choice; it is
+    resolved on the first forward, against the device and dtype the model then runs on.
+    """
+
+    def __init__(self, config: ModelConfig, attn_backend: str | None = "torch") -> None:
+        super().__init__()
+        self.config = config
+        self.attn_backend_name = attn_backend
+        self._backend: AttentionBackend | None = None
+        self.model = LlamaModel(config)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """Shape of ONE layer's cache; allocate `num_hidden_layers` of them."""
+        c = self.config
+        return (2, num_blocks, block_size, c.num_key_value_heads, c.head_dim)
+
+    def attn_backend(self, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
+        if self._backend is None:
+            self._backend = get_attn_backend(
+                self.attn_backend_name, device, head_dim=self.config.head_dim, dtype=dtype
+            )
+        return self._backend
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, Hkv, D]
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)  # [T, hidden]
+        backend = self.attn_backend(x.device, x.dtype)
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            x = layer(positions, x, kv_cache, attn_metadata, backend)
+        return self.model.norm(x)  # [T, hidden]
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden [n, hidden] -> [n, vocab] float32; callers pass only the rows they sample.
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors in; raise naming every expected tensor that never came."""
+        params = dict(self.named_parameters())
+        expected = set(self._hf_names())
+        seen: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue  # old checkpoints saved the RoPE buffer; we recompute it
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: the output projection is the embedding
+            if name not in expected:
+                raise ValueError(f"unexpected tensor {name!r} for {self.config.architecture}")
+            target, rows = self._target(name)
+            dst = params[target] if rows is None else params[target][rows[0] : rows[1]]
+            if dst.shape != tensor.shape:
+                raise ValueError(
+                    f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}"
+                )
+            dst.copy_(tensor)
+            seen.add(name)
+        missing = sorted(expected - seen)
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} tensor(s): {missing}")
+
+    def _hf_names(self) -> list[str]:
+        c = self.config
+        names = ["model.embed_tokens.weight", "model.norm.weight"]
+        if self.lm_head is not None:
+            names.append("lm_head.weight")
+        projections = [("self_attn", p, c.attention_bias) for p in ("q_proj", "k_proj", "v_proj")]
+        projections.append(("self_attn", "o_proj", c.o_proj_bias))
+        projections += [("mlp", p, c.mlp_bias) for p in ("gate_proj", "up_proj", "down_proj")]
+        for i in range(c.num_hidden_layers):
+            prefix = f"model.layers.{i}"
+            names += [
+                f"{prefix}.input_layernorm.weight",
+                f"{prefix}.post_attention_layernorm.weight",
+            ]
+            for module, proj, bias in projections:
+                names.append(f"{prefix}.{module}.{proj}.weight")
+                if bias:
+                    names.append(f"{prefix}.{module}.{proj}.bias")
+        return names
+
+    def _target(self, hf_name: str) -> tuple[str, tuple[int, int] | None]:
+        # HF name -> (our parameter, row range inside it for the fused projections)
+        c = self.config
+        q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        inter = c.intermediate_size
+        fused = {
+            "q_proj": ("qkv_proj", (0, q)),
+            "k_proj": ("qkv_proj", (q, q + kv)),
+            "v_proj": ("qkv_proj", (q + kv, q + 2 * kv)),
+            "gate_proj": ("gate_up_proj", (0, inter)),
+            "up_proj": ("gate_up_proj", (inter, 2 * inter)),
+        }
+        parts = hf_name.split(".")
+        if len(parts) >= 2 and parts[-2] in fused:
+            ours, rows = fused[parts[-2]]
+            return ".".join([*parts[:-2], ours, parts[-1]]), rows
+        return hf_name, None

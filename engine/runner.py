@@ -1,0 +1,92 @@
+"""ModelRunner: executes one SchedulerOutput on the real model.
+
+swap copies -> flattened batch -> one forward -> logits of the rows that sample -> sampler.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from fairbatch.engine.attention import AttentionMetadata
+from fairbatch.engine.model import LlamaForCausalLM
+from fairbatch.engine.sampler import Sampler
+from fairbatch.engine.sampling_params import SamplingParams
+from fairbatch.kv.cache_engine import CacheEngine
+from fairbatch.scheduler.output import RunnerOutput, SchedulerOutput
+
+_GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        cache_engine: CacheEngine,
+        sampler: Sampler | None = None,
+    ) -> None:
+        self.model = model
+        self.cache = cache_engine
+        self.kv_caches = cache_engine.layer_caches()
+        self.block_size = cache_engine.layout.block_size
+        self.device = cache_engine.device
+        self.sampler = sampler or Sampler()
+        self.forward_time = 0.0  # seconds spent in model forward + logits (for the benchmark)
+        self.num_steps = 0
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        # Swap-ins first: a swap-out of this step may reuse the CPU blocks they read.
+        self.cache.swap_in(out.swap_in)
+        self.cache.swap_out(out.swap_out)
+        if self.cache.is_cuda:
+            self.cache.poll()
+        if not out.scheduled:
+            return RunnerOutput()
+        self.num_steps += 1
+
+        input_ids: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        sample_rows: list[int] = []  # token index (in the flat batch) of each sampling request
+        sample_reqs = []
+        for req in out.scheduled:
+            n = out.num_scheduled_tokens[req.request_id]
+            start = req.num_computed_tokens
+            input_ids.extend(req.all_token_ids[start : start + n])
+            query_lens.append(n)
+            seq_lens.append(start + n)
+            tables.append(out.block_tables[req.request_id])
+            if start + n == len(req.all_token_ids):
+                sample_rows.append(len(input_ids) - 1)
+                sample_reqs.append(req)
+
+        t0 = time.perf_counter()
+        meta, positions = AttentionMetadata.build(
+            query_lens, seq_lens, tables, self.block_size, self.device
+        )
+        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        hidden = self.model(ids, positions, self.kv_caches, meta)  # [num_tokens, hidden]
+        if not sample_reqs:
+            self.forward_time += time.perf_counter() - t0
+            return RunnerOutput()
+        rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, rows))  # [num_samples, vocab]
+        if self.cache.is_cuda:
+            torch.cuda.synchronize(self.device)  # honest timing of the forward
+        self.forward_time += time.perf_counter() - t0
+
+        params = [r.sampling_params or _GREEDY for r in sample_reqs]
+        result = self.sampler.sample(
+            logits,
+            params,
+            [r.prompt_token_ids for r in sample_reqs],
+            [r.output_token_ids for r in sample_reqs],
+        )
+        sampled = {r.request_id: t for r, t in zip(sample_reqs, result.token_ids)}
+        logprobs = {
+            r.request_id: lp for r, lp in zip(sample_reqs, result.logprobs) if lp is not None
+        }
+        return RunnerOutput(sampled_token_ids=sampled, logprobs=logprobs)

@@ -1,0 +1,128 @@
+"""Per-request sampling parameters, with the names and meanings vLLM and OpenAI users know.
+
+Validation happens once, in `__post_init__`, so everything downstream (sampler, detokenizer,
+engine) can trust the values. Ranges:
+
+* `temperature >= 0` (finite). No upper bound: vLLM accepts any non-negative value, and a cap
+  such as OpenAI's 2.0 is an ingress policy, not an engine one. Below `SAMPLING_EPS` the request
+  is greedy (dividing by a near-zero temperature would overflow the logits anyway).
+* `top_p` in (0, 1]; `top_k` is 0 or -1 (off) or >= 1; `min_p` in [0, 1].
+* `presence_penalty`, `frequency_penalty` in [-2, 2] (OpenAI's range); `repetition_penalty > 0`
+  (1 = off).
+* `max_tokens >= 1`; `logprobs` None or 0..20 (0 = only the sampled token's logprob).
+* `n == 1` only, for now.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+SAMPLING_EPS = 1e-5  # temperatures below this are greedy; penalties this close to neutral are off
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
+
+
+def _check_range(name: str, value: float, lo: float, hi: float, *, lo_open: bool = False) -> None:
+    """Raise ValueError naming `name` unless lo <= value <= hi (lo < value if lo_open), finite."""
+    ok = math.isfinite(value) and (value > lo if lo_open else value >= lo) and value <= hi
+    if not ok:
+        left = "(" if lo_open else "["
+        raise ValueError(f"{name} must be in {left}{lo}, {hi}], got {value!r}")
+
+
+@dataclass
+class SamplingParams:
+    """How to pick each next token of one request, and when to stop.
+
+    `stop` is normalized to a list of non-empty strings and `stop_token_ids` to a list of ints,
+    so readers never see None or a bare string.
+    """
+
+    n: int = 1  # number of completions per prompt; only 1 is supported
+    max_tokens: int = 16  # upper bound on generated tokens
+    temperature: float = 1.0  # 0 (or < SAMPLING_EPS) = greedy
+    top_p: float = 1.0  # nucleus: keep the smallest set of tokens with mass >= top_p
+    top_k: int = 0  # keep the k most likely tokens; 0 or -1 = off
+    min_p: float = 0.0  # drop tokens with prob < min_p * max prob
+    seed: int | None = None  # makes sampling reproducible and batch-independent (see sampler)
+    stop: list[str] | str | None = None  # stop strings, cut from the output text
+    stop_token_ids: list[int] | None = None  # extra stop tokens, besides EOS
+    ignore_eos: bool = False  # keep generating past EOS tokens
+    presence_penalty: float = 0.0  # subtracted once from every token already generated
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the generated tokens
+    repetition_penalty: float = 1.0  # >1 discourages tokens seen in prompt or output
+    logprobs: int | None = None  # return the sampled token's logprob and the top-N
+    include_stop_str_in_output: bool = False  # keep the matched stop string in the text
+    skip_special_tokens: bool = True  # drop special tokens from the output text
+
+    def __post_init__(self) -> None:
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n != 1:
+            raise ValueError(
+                f"n must be 1 (only one completion per request is supported), got {self.n!r}"
+            )
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
+            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        _check_range("temperature", float(self.temperature), 0.0, math.inf)
+        _check_range("top_p", float(self.top_p), 0.0, 1.0, lo_open=True)
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):
+            raise ValueError(f"top_k must be an int (-1 or 0 = off, or >= 1), got {self.top_k!r}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 or 0 (off) or >= 1, got {self.top_k}")
+        _check_range("min_p", float(self.min_p), 0.0, 1.0)
+        _check_range("presence_penalty", float(self.presence_penalty), -2.0, 2.0)
+        _check_range("frequency_penalty", float(self.frequency_penalty), -2.0, 2.0)
+        rp = float(self.repetition_penalty)
+        if not (math.isfinite(rp) and rp > 0.0):
+            raise ValueError(f"repetition_penalty must be > 0 (1 = off), got {rp!r}")
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int)
+        ):
+            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if self.logprobs is not None:
+            lp = self.logprobs
+            if isinstance(lp, bool) or not isinstance(lp, int) or not 0 <= lp <= MAX_LOGPROBS:
+                raise ValueError(
+                    f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {lp!r}"
+                )
+
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop must contain non-empty strings, got {s!r}")
+        self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        for t in self.stop_token_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise ValueError(f"stop_token_ids must contain ints >= 0, got {t!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when the next token is the argmax (after penalties): temperature ~ 0."""
+        return self.temperature < SAMPLING_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when any of presence, frequency or repetition penalty changes the logits."""
+        return (
+            abs(self.presence_penalty) >= SAMPLING_EPS
+            or abs(self.frequency_penalty) >= SAMPLING_EPS
+            or abs(self.repetition_penalty - 1.0) >= SAMPLING_EPS
+        )
+
+    @property
+    def uses_top_k(self) -> bool:
+        return self.top_k >= 1
+
+    @property
+    def uses_top_p(self) -> bool:
+        return self.top_p < 1.0 - SAMPLING_EPS
+
+    @property
+    def uses_min_p(self) -> bool:
+        return self.min_p >= SAMPLING_EPS

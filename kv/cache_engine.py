@@ -1,0 +1,180 @@
+"""The K/V tensors: the device cache, the CPU swap space, and the copies between them.
+
+Layout (both pools): one tensor `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`;
+layer l's view `cache[l]` is `[2, num_blocks, block_size, num_kv_heads, head_dim]` (K, V), the
+paged layout flash-attn reads. One tensor for all layers means a swap of n blocks is one gather
+and one scatter over dim 2, not a loop of 2 * layers * n small copies.
+
+On CUDA the copies run on a dedicated stream with events: the compute stream waits for a swap-in
+before it reads the blocks, and for a swap-out's gather before it overwrites the freed blocks;
+the device-to-host half of a swap-out finishes in the background and is settled before anything
+reads the CPU blocks. On CPU the copies are plain index operations.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class KVLayout:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_block(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.bytes_per_block // self.block_size
+
+    def shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (
+            self.num_layers,
+            2,
+            num_blocks,
+            self.block_size,
+            self.num_kv_heads,
+            self.head_dim,
+        )
+
+
+def num_blocks_for_budget(layout: KVLayout, budget_bytes: int) -> int:
+    return max(int(budget_bytes // layout.bytes_per_block), 0)
+
+
+def cuda_kv_budget(gpu_memory_utilization: float, device: torch.device) -> int:
+    """Bytes for the KV cache on CUDA: a fraction of the device's memory, less what is already
+    used (weights, activations measured by the caller's warm-up)."""
+    free, total = torch.cuda.mem_get_info(device)
+    used = total - free
+    return max(int(total * gpu_memory_utilization) - used, 0)
+
+
+class CacheEngine:
+    def __init__(
+        self,
+        layout: KVLayout,
+        num_gpu_blocks: int,
+        num_cpu_blocks: int,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.layout = layout
+        self.device = torch.device(device)
+        self.is_cuda = self.device.type == "cuda"
+        self.gpu_cache = torch.zeros(
+            layout.shape(num_gpu_blocks), dtype=layout.dtype, device=device
+        )
+        # Pinned host memory makes device<->host copies truly asynchronous; pinning needs CUDA.
+        self.cpu_cache = torch.zeros(
+            layout.shape(max(num_cpu_blocks, 0)), dtype=layout.dtype, pin_memory=self.is_cuda
+        )
+        self.swap_stream = torch.cuda.Stream(self.device) if self.is_cuda else None
+        # Swap-outs whose device-to-host copy may still be in flight:
+        # (done event, cpu block ids, pinned host buffer, device buffer kept alive until done)
+        self._pending_out: list[tuple[torch.cuda.Event, torch.Tensor, torch.Tensor, object]] = []
+        self.bytes_swapped = {"in": 0, "out": 0}
+
+    def layer_caches(self) -> list[torch.Tensor]:
+        """Per layer `[2, num_gpu_blocks, block_size, num_kv_heads, head_dim]` views."""
+        return list(self.gpu_cache.unbind(0))
+
+    # ---- swaps ------------------------------------------------------------------------------
+
+    def swap_in(self, mapping: list[tuple[int, int]]) -> None:
+        """Copy (cpu block, gpu block) pairs host -> device before the next forward reads them."""
+        if not mapping:
+            return
+        self.settle()  # the CPU blocks may be the target of a swap-out still in flight
+        cpu_idx = torch.tensor([c for c, _ in mapping], dtype=torch.long)
+        gpu_idx = torch.tensor([g for _, g in mapping], dtype=torch.long, device=self.device)
+        self.bytes_swapped["in"] += len(mapping) * self.layout.bytes_per_block
+        host = self.cpu_cache.index_select(2, cpu_idx)  # one gather over all layers
+        if not self.is_cuda:
+            self.gpu_cache.index_copy_(2, gpu_idx, host)
+            return
+        host = host.pin_memory()
+        compute = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self.swap_stream):
+            # Earlier steps may still be reading the target blocks' previous contents.
+            self.swap_stream.wait_stream(compute)
+            dev = host.to(self.device, non_blocking=True)
+            self.gpu_cache.index_copy_(2, gpu_idx, dev)
+            done = torch.cuda.Event()
+            done.record(self.swap_stream)
+        # The step reads these blocks: it waits for exactly this copy. `dev` was allocated on the
+        # swap stream and the pinned `host` is tracked by torch's caching host allocator, so
+        # neither is reused before the copy completes.
+        compute.wait_event(done)
+
+    def swap_out(self, mapping: list[tuple[int, int]]) -> None:
+        """Copy (gpu block, cpu block) pairs device -> host before the freed blocks are reused."""
+        if not mapping:
+            return
+        gpu_idx = torch.tensor([g for g, _ in mapping], dtype=torch.long, device=self.device)
+        cpu_idx = torch.tensor([c for _, c in mapping], dtype=torch.long)
+        self.bytes_swapped["out"] += len(mapping) * self.layout.bytes_per_block
+        if not self.is_cuda:
+            self.cpu_cache.index_copy_(2, cpu_idx, self.gpu_cache.index_select(2, gpu_idx))
+            return
+        compute = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self.swap_stream):
+            self.swap_stream.wait_stream(compute)  # the blocks' K/V was written by earlier steps
+            dev = self.gpu_cache.index_select(2, gpu_idx)
+            gathered = torch.cuda.Event()
+            gathered.record(self.swap_stream)
+            host = torch.empty(dev.shape, dtype=dev.dtype, pin_memory=True)
+            host.copy_(dev, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.swap_stream)
+        # The forward may overwrite the freed blocks once they are gathered, not before.
+        compute.wait_event(gathered)
+        self._pending_out.append((done, cpu_idx, host, dev))
+
+    def settle(self) -> None:
+        """Finish in-flight swap-outs: wait for their copies, then place them in the CPU pool."""
+        for done, cpu_idx, host, _dev in self._pending_out:
+            done.synchronize()
+            self.cpu_cache.index_copy_(2, cpu_idx, host)
+        self._pending_out.clear()
+
+    def poll(self) -> None:
+        """Settle swap-outs that already finished, without waiting (called once per step)."""
+        if self._pending_out and all(ev.query() for ev, *_ in self._pending_out):
+            self.settle()
+
+    # ---- migration: blocks as numpy arrays (the Ray object store reads those zero-copy) -----
+
+    def export_blocks(self, cpu_block_ids: list[int]) -> np.ndarray:
+        """The K/V of the given CPU blocks as `[layers, 2, n, block_size, kv_heads, head_dim]`.
+
+        16-bit float types have no numpy equivalent, so they travel as their raw int16 bits.
+        """
+        self.settle()
+        idx = torch.tensor(cpu_block_ids, dtype=torch.long)
+        data = self.cpu_cache.index_select(2, idx)
+        if data.element_size() == 2:
+            data = data.view(torch.int16)
+        return data.numpy()
+
+    def import_blocks(self, cpu_block_ids: list[int], data: np.ndarray) -> None:
+        self.settle()
+        t = torch.from_numpy(np.ascontiguousarray(data))
+        if t.dtype == torch.int16 and self.layout.dtype != torch.int16:
+            t = t.view(self.layout.dtype)
+        expected = self.layout.shape(len(cpu_block_ids))
+        if tuple(t.shape) != expected or t.dtype != self.layout.dtype:
+            raise ValueError(
+                f"imported K/V has shape {tuple(t.shape)} {t.dtype}; expected {expected} "
+                f"{self.layout.dtype} (different model or block size?)"
+            )
+        idx = torch.tensor(cpu_block_ids, dtype=torch.long)
+        self.cpu_cache.index_copy_(2, idx, t)
