@@ -123,28 +123,31 @@ class EngineCore:
         out = self.scheduler.schedule()
         runner_out = self.runner.execute(out)
         updates = self.scheduler.update_from_output(out, runner_out)
+        finished_map = updates.finished
+        logprobs = runner_out.logprobs
         deltas = []
-        for u in updates:
-            text, finished, reason = "", u.finished, u.finish_reason
-            detok = self.detoks.get(u.request_id)
-            if detok is not None:
-                for token in u.new_token_ids:
-                    text += detok.add_token(token)
-                if detok.stopped and not finished:
-                    # A stop string ended it: the scheduler frees its blocks now.
-                    self.scheduler.finish_request(u.request_id, RequestStatus.FINISHED_STOPPED)
-                    finished, reason = True, "stop"
-                elif finished and not detok.stopped:
-                    text += detok.finish()
-                if finished:
-                    del self.detoks[u.request_id]
-            lp = runner_out.logprobs.get(u.request_id) if runner_out.logprobs else None
-            deltas.append(
-                RequestDelta(
-                    u.request_id, u.new_token_ids, text, finished, reason, [lp] if lp else None
-                )
-            )
+        for rid, token in updates.new_tokens.items():
+            deltas.append(self._delta(rid, [token], finished_map.get(rid), logprobs.get(rid)))
+        for rid, reason in finished_map.items():
+            if rid not in updates.new_tokens:
+                deltas.append(self._delta(rid, [], reason, None))
         return deltas
+
+    def _delta(self, rid: str, tokens: list[int], reason: str | None, lp) -> RequestDelta:
+        text, finished = "", reason is not None
+        detok = self.detoks.get(rid)
+        if detok is not None:
+            for token in tokens:
+                text += detok.add_token(token)
+            if detok.stopped and not finished:
+                # A stop string ended it: the scheduler frees its blocks now.
+                self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
+                finished, reason = True, "stop"
+            elif finished and not detok.stopped:
+                text += detok.finish()
+            if finished:
+                del self.detoks[rid]
+        return RequestDelta(rid, tokens, text, finished, reason, [lp] if lp else None)
 
     # ---- controller hooks -------------------------------------------------------------------
 

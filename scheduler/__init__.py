@@ -1,7 +1,7 @@
 """The iteration-level scheduler (pure Python: no torch, no ray)."""
 
 from fairbatch.scheduler.config import SchedulerConfig
-from fairbatch.scheduler.output import RequestUpdate, RunnerOutput, SchedulerOutput
+from fairbatch.scheduler.output import RequestUpdate, RunnerOutput, SchedulerOutput, StepUpdates
 from fairbatch.scheduler.request import FINISH_REASONS, Request, RequestStatus
 from fairbatch.scheduler.scheduler import Scheduler
 
@@ -14,4 +14,5 @@ __all__ = [
     "Scheduler",
     "SchedulerConfig",
     "SchedulerOutput",
+    "StepUpdates",
 ]

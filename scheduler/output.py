@@ -21,7 +21,9 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)  # id -> tokens this step
     total_num_scheduled_tokens: int = 0  # sum of num_scheduled_tokens (<= the token budget)
     new_block_ids: dict[str, list[int]] = field(default_factory=dict)  # id -> new blocks, if any
-    block_tables: dict[str, list[int]] = field(default_factory=dict)  # id -> full table (read only)
+    # id -> block table of every request holding GPU blocks: the KV manager's live mapping,
+    # valid until the next schedule(); read only
+    block_tables: dict[str, list[int]] = field(default_factory=dict)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, gpu) block copies
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu, cpu) block copies
     preempted_swap: list[str] = field(default_factory=list)  # ids swapped out this step
@@ -39,6 +41,28 @@ class RunnerOutput:
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)  # id -> next token
     logprobs: dict[str, object] = field(default_factory=dict)  # id -> sampler's logprob record
+
+
+@dataclass
+class StepUpdates:
+    """What one step changed, without an object per request (the hot path stays cheap).
+
+    Iterating yields a RequestUpdate per request that got a token or finished.
+    """
+
+    new_tokens: dict[str, int] = field(default_factory=dict)  # id -> token sampled this step
+    finished: dict[str, str] = field(default_factory=dict)  # id -> finish reason, this step
+
+    def __iter__(self):
+        fin = self.finished
+        for rid, token in self.new_tokens.items():
+            yield RequestUpdate(rid, [token], rid in fin, fin.get(rid))
+        for rid, reason in fin.items():
+            if rid not in self.new_tokens:
+                yield RequestUpdate(rid, [], True, reason)
+
+    def __len__(self) -> int:
+        return len(self.new_tokens) + sum(1 for r in self.finished if r not in self.new_tokens)
 
 
 @dataclass(slots=True)

@@ -42,6 +42,7 @@ class Request:
         "tenant",
         "priority",
         "prompt_token_ids",
+        "num_prompt_tokens",
         "output_token_ids",
         "all_token_ids",
         "max_tokens",
@@ -77,6 +78,7 @@ class Request:
         self.tenant = tenant
         self.priority = priority  # higher = more important
         self.prompt_token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.all_token_ids = list(prompt_token_ids)  # prompt + output, the cache's view
         self.max_tokens = max_tokens
@@ -97,10 +99,6 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
 
     @property
     def num_output_tokens(self) -> int:

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 
 from fairbatch.kv.manager import KVCacheManager
 from fairbatch.scheduler.config import SchedulerConfig
-from fairbatch.scheduler.output import RequestUpdate, RunnerOutput, SchedulerOutput
+from fairbatch.scheduler.output import RunnerOutput, SchedulerOutput, StepUpdates
 from fairbatch.scheduler.request import FINISH_REASONS, Request, RequestStatus
 
 
@@ -93,7 +93,7 @@ class Scheduler:
     # ---- the step ---------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        out = SchedulerOutput(block_tables=self.kv.req_block_ids)
         budget = self.config.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
         if not out.preempted_swap and not out.preempted_recompute:
@@ -112,7 +112,6 @@ class Scheduler:
         out.total_num_scheduled_tokens += n
         if new_ids:
             out.new_block_ids[rid] = new_ids
-        out.block_tables[rid] = self.kv.req_block_ids[rid]
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         # The hot loop (every running request, every step): decodes that stay inside their last
@@ -120,10 +119,8 @@ class Scheduler:
         i = 0
         running = self.running
         bs = self.kv.block_size
-        tables = self.kv.req_block_ids
         scheduled = out.scheduled
         num_scheduled = out.num_scheduled_tokens
-        block_tables = out.block_tables
         total = 0
         while i < len(running) and budget > 0:
             request = running[i]
@@ -149,7 +146,6 @@ class Scheduler:
             rid = request.request_id
             scheduled.append(request)
             num_scheduled[rid] = n
-            block_tables[rid] = tables[rid]
             total += n
             budget -= n
             i += 1
@@ -226,7 +222,6 @@ class Scheduler:
             out.scheduled.remove(victim)
             out.total_num_scheduled_tokens -= n
             out.new_block_ids.pop(rid, None)
-            out.block_tables.pop(rid)
         self._preempt(victim, out)
         return True
 
@@ -266,38 +261,40 @@ class Scheduler:
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput
-    ) -> list[RequestUpdate]:
+    ) -> StepUpdates:
         """Advance progress, append sampled tokens, finish requests, charge tenants."""
         sampled = runner_output.sampled_token_ids
-        updates: list[RequestUpdate] = []
-        charges: dict[str, list[int]] = {}
+        new_tokens = dict(sampled)
+        finished: dict[str, str] = {}
+        prefill: dict[str, int] = {}
+        decode: dict[str, int] = {}
         num_scheduled = scheduler_output.num_scheduled_tokens
         bs = self.kv.block_size
         caching = self.kv.enable_prefix_caching
         max_len = self.max_model_len
         running = RequestStatus.RUNNING
         for request in scheduler_output.scheduled:
-            if request.status != running:
-                continue  # aborted or finished between schedule() and now
             rid = request.request_id
+            if request.status is not running:
+                new_tokens.pop(rid, None)  # aborted or finished between schedule() and now
+                continue
             before = request.num_computed_tokens
             after = request.num_computed_tokens = before + num_scheduled[rid]
             if caching and after // bs != before // bs:
                 self.kv.cache_computed_blocks(request)
-            charge = charges.get(request.tenant)
-            if charge is None:
-                charge = charges[request.tenant] = [0, 0]
             if request.num_prompt_charged < request.num_prompt_tokens:
                 new_prompt = min(after, request.num_prompt_tokens)
                 if new_prompt > request.num_prompt_charged:
-                    charge[0] += new_prompt - request.num_prompt_charged
+                    t = request.tenant
+                    prefill[t] = prefill.get(t, 0) + new_prompt - request.num_prompt_charged
                     request.num_prompt_charged = new_prompt
             token = sampled.get(rid)
             if token is None:
                 continue  # a prefill chunk that did not reach the end of the prompt
             request.output_token_ids.append(token)
             request.all_token_ids.append(token)
-            charge[1] += 1
+            t = request.tenant
+            decode[t] = decode.get(t, 0) + 1
             if token in request.stop_token_ids:
                 status = RequestStatus.FINISHED_STOPPED
             elif (
@@ -306,13 +303,15 @@ class Scheduler:
             ):
                 status = RequestStatus.FINISHED_LENGTH
             else:
-                updates.append(RequestUpdate(rid, [token], False, None))
                 continue
             self._finish(request, status)
-            updates.append(RequestUpdate(rid, [token], True, FINISH_REASONS[status]))
-        for tenant, (prefill, decode) in charges.items():
-            self.policy.charge(tenant, prefill, decode)
-        return updates
+            finished[rid] = FINISH_REASONS[status]
+        charge = self.policy.charge
+        for tenant, n in decode.items():
+            charge(tenant, prefill.pop(tenant, 0), n)
+        for tenant, n in prefill.items():
+            charge(tenant, n, 0)
+        return StepUpdates(new_tokens, finished)
 
     # ---- hooks for the cluster controller ---------------------------------------------------
 
