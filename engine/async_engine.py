@@ -1,0 +1,145 @@
+"""AsyncEngine: the step loop in the background, requests as async streams of deltas.
+
+Every touch of the EngineCore (steps, adds, aborts, controller hooks) runs on one dedicated
+thread, so the core needs no locks and the event loop stays free while a forward runs.
+The Ray replica wraps this.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fairbatch.engine.core import EngineCore, RequestDelta
+from fairbatch.engine.sampling_params import SamplingParams
+
+
+class EngineDeadError(RuntimeError):
+    """The step loop failed; every open stream ends with this error."""
+
+
+class AsyncEngine:
+    def __init__(self, engine: EngineCore, step_hook: Callable[[], Any] | None = None) -> None:
+        self.engine = engine
+        self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine")
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self._error: BaseException | None = None
+        self._step_hook = step_hook  # called on the engine thread after each step (pacing)
+        self.num_steps = 0
+
+    # ---- lifecycle --------------------------------------------------------------------------
+
+    def _ensure_started(self) -> None:
+        if self._task is None:
+            self._wake = asyncio.Event()
+            self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def shutdown(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        self._thread.shutdown(wait=True)
+
+    async def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run `fn(*args)` on the engine thread, between steps."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._thread, lambda: fn(*args, **kwargs))
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[RequestDelta]:
+        """Stream the request's deltas until it finishes. Closing the stream aborts it."""
+        self._ensure_started()
+        if self._error is not None:
+            raise EngineDeadError(str(self._error))
+        rid = kwargs.pop("request_id", None) or uuid.uuid4().hex
+        add = functools.partial(self.engine.add_request, prompt, params, request_id=rid, **kwargs)
+        async for delta in self._stream(rid, add):
+            yield delta
+
+    async def resume(self, migrated: Any) -> AsyncIterator[RequestDelta]:
+        """Adopt a request from another replica and stream its remaining deltas."""
+        self._ensure_started()
+        add = functools.partial(self.engine.import_request, migrated)
+        async for delta in self._stream(migrated.request.request_id, add):
+            yield delta
+
+    async def _stream(self, rid: str, add: Callable[[], Any]) -> AsyncIterator[RequestDelta]:
+        if rid in self._streams:
+            raise ValueError(f"duplicate request id {rid!r}")
+        # Register before adding: the first step may finish before this coroutine resumes.
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[rid] = queue
+        try:
+            await self.call(add)
+        except BaseException:
+            self._streams.pop(rid, None)
+            raise
+        assert self._wake is not None
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise EngineDeadError(str(item)) from item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            self._streams.pop(rid, None)
+            if not finished:  # the caller went away (disconnect, cancel): free its blocks now
+                await asyncio.shield(self.call(self.engine.abort, rid))
+
+    async def abort(self, request_id: str) -> bool:
+        ok = await self.call(self.engine.abort, request_id)
+        queue = self._streams.get(request_id)
+        if ok and queue is not None:
+            queue.put_nowait(RequestDelta(request_id, [], "", True, "abort"))
+        return ok
+
+    # ---- the loop ---------------------------------------------------------------------------
+
+    def _step(self) -> list[RequestDelta]:
+        deltas = self.engine.step()
+        self.num_steps += 1
+        if self._step_hook is not None:
+            self._step_hook()
+        return deltas
+
+    async def _loop(self) -> None:
+        assert self._wake is not None
+        try:
+            while True:
+                if not self.engine.has_unfinished():
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                for delta in await self.call(self._step):
+                    queue = self._streams.get(delta.request_id)
+                    if queue is not None:
+                        queue.put_nowait(delta)
+                await asyncio.sleep(0)  # let streams and new requests in between steps
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # a failed step: no stream may hang waiting for it
+            self._error = e
+            for queue in self._streams.values():
+                queue.put_nowait(e)
+            raise

@@ -1,0 +1,72 @@
+"""AsyncEngine: concurrent streams equal the offline results; a closed stream frees its blocks."""
+
+import asyncio
+
+import pytest
+
+from fairbatch.engine import LLM, SamplingParams
+from fairbatch.engine.async_engine import AsyncEngine
+from fairbatch.engine.llm import build_engine
+
+PARAMS = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+PROMPTS = ["fair batching", "paged attention keeps blocks", "tenants", "a b c d e f g"]
+
+
+def test_concurrent_streams_match_offline():
+    ref = [o.token_ids for o in LLM("tiny", num_gpu_blocks=128).generate(PROMPTS, PARAMS)]
+
+    async def main():
+        engine = AsyncEngine(build_engine("tiny", num_gpu_blocks=128))
+
+        async def one(p):
+            tokens, text, last = [], "", None
+            async for d in engine.generate(p, PARAMS):
+                tokens += d.token_ids
+                text += d.text
+                last = d
+            return tokens, text, last
+
+        results = await asyncio.gather(*(one(p) for p in PROMPTS))
+        await engine.shutdown()
+        return engine, results
+
+    engine, results = asyncio.run(main())
+    assert [r[0] for r in results] == ref
+    assert all(r[2].finished and r[2].finish_reason == "length" for r in results)
+    tok = engine.engine.tokenizer
+    assert [r[1] for r in results] == [tok.decode(t) for t in ref]
+    assert engine.engine.scheduler.kv.all_free()
+
+
+def test_closing_a_stream_aborts_and_frees():
+    async def main():
+        engine = AsyncEngine(build_engine("tiny", num_gpu_blocks=128))
+        long = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
+        stream = engine.generate("a long request", long)
+        got = 0
+        async for _ in stream:
+            got += 1
+            if got == 3:
+                break
+        await stream.aclose()
+        await asyncio.sleep(0.05)
+        core = engine.engine
+        left = await engine.call(lambda: (core.has_unfinished(), core.scheduler.kv.all_free()))
+        await engine.shutdown()
+        return left
+
+    assert asyncio.run(main()) == (False, True)
+
+
+def test_bad_request_raises_and_engine_keeps_serving():
+    async def main():
+        engine = AsyncEngine(build_engine("tiny", num_gpu_blocks=128))
+        with pytest.raises(ValueError, match="empty"):
+            async for _ in engine.generate([], PARAMS):
+                pass
+        out = [d async for d in engine.generate("still alive", PARAMS)]
+        await engine.shutdown()
+        return out
+
+    out = asyncio.run(main())
+    assert out[-1].finished and sum(len(d.token_ids) for d in out) == 10
