@@ -15,6 +15,19 @@ def _bench_scheduler(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_engine(args: argparse.Namespace) -> int:
+    from fairbatch.benchmarks import engine_bench
+
+    engine_bench.main(
+        args.json,
+        num_requests=args.num_requests,
+        prompt_range=(args.min_prompt, args.max_prompt),
+        output_range=(args.min_output, args.max_output),
+        skip_cb=args.skip_cb,
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fairbatch", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -26,6 +39,15 @@ def build_parser() -> argparse.ArgumentParser:
     sched.add_argument("--steps", type=int, default=2000, help="measured steps per policy")
     sched.add_argument("--policies", help="comma-separated subset (default: all)")
     sched.set_defaults(func=_bench_scheduler)
+    eng = bench_sub.add_parser("engine", help="fairbatch vs transformers tokens/s (tiny Llama)")
+    eng.add_argument("--json", help="write results to this JSON file")
+    eng.add_argument("--num-requests", type=int, default=128)
+    eng.add_argument("--min-prompt", type=int, default=16)
+    eng.add_argument("--max-prompt", type=int, default=512)
+    eng.add_argument("--min-output", type=int, default=8)
+    eng.add_argument("--max-output", type=int, default=256)
+    eng.add_argument("--skip-cb", action="store_true", help="skip transformers' continuous batching")
+    eng.set_defaults(func=_bench_engine)
     return parser
 
 

@@ -150,7 +150,7 @@ class IncrementalDetokenizer:
             self._held = ""
             end = start + len(stop_str) if self.include_stop_str_in_output else start
             return text[:end]
-        keep = 0
+        keep = 0 if final else self._held_suffix_len(text)
         self._held = text[len(text) - keep :]
         return text[: len(text) - keep]
 
