@@ -85,7 +85,9 @@ def run_fairbatch(path: Path, prompts, outputs, max_num_seqs: int = 128) -> dict
 def _hf_model(path: Path, attn: str = "sdpa"):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation=attn
+    )
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model.eval()
@@ -119,7 +121,9 @@ def run_hf_cb(path: Path, prompts, outputs) -> dict:
     model = _hf_model(path, attn="sdpa")
     gen_cfg = GenerationConfig(do_sample=False, max_new_tokens=max(outputs), eos_token_id=None)
     cb_cfg = ContinuousBatchingConfig(block_size=16, num_blocks=4096, max_batch_tokens=2048)
-    manager = model.init_continuous_batching(generation_config=gen_cfg, continuous_batching_config=cb_cfg)
+    manager = model.init_continuous_batching(
+        generation_config=gen_cfg, continuous_batching_config=cb_cfg
+    )
     manager.start()
     results: dict[str, list[int]] = {}
     t0 = time.perf_counter()

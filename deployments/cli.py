@@ -46,7 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--max-prompt", type=int, default=512)
     eng.add_argument("--min-output", type=int, default=8)
     eng.add_argument("--max-output", type=int, default=256)
-    eng.add_argument("--skip-cb", action="store_true", help="skip transformers' continuous batching")
+    eng.add_argument(
+        "--skip-cb", action="store_true", help="skip transformers' continuous batching"
+    )
     eng.set_defaults(func=_bench_engine)
     return parser
 
