@@ -11,15 +11,18 @@ keys, 1 the values. Token position `p` of a sequence lives in block `block_table
 at offset `p % block_size`, i.e. flat slot `block_id * block_size + offset`. This is the layout
 vllm-flash-attn reads (`kv_cache[0]`, `kv_cache[1]`: `[num_blocks, block_size, heads, dim]`).
 
-Contract of a backend (stateless; one instance serves every layer):
+Contract of a backend (one instance per model serves every layer; it may keep scratch buffers):
 * `write_kv(key, value, kv_cache, slot_mapping)` stores this step's K/V; every slot is valid
   (no padding slots), and it runs before `forward` reads the cache.
 * `forward(q, kv_cache, meta, scale, sliding_window)` -> `[num_tokens, num_heads, head_dim]`,
-  reading only the first `seq_lens[s]` positions of each sequence.
+  attending only to the first `seq_lens[s]` positions of each sequence. The torch backend reads
+  decode context as whole blocks and masks the tail, so unwritten slots must hold finite values
+  (the cache engine zero-fills; K/V written later are the model's own).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 from collections.abc import Sequence
@@ -72,13 +75,13 @@ class AttentionMetadata:
         """
         q_lens, s_lens = list(query_lens), list(seq_lens)
         width = max((len(t) for t in block_tables), default=0) or 1
-        tables = torch.zeros((len(s_lens), width), dtype=torch.int32)  # [num_seqs, width]
         for s, table in enumerate(block_tables):
             if len(table) * block_size < s_lens[s]:
                 raise ValueError(
                     f"sequence {s}: {len(table)} blocks of {block_size} cannot hold {s_lens[s]}"
                 )
-            tables[s, : len(table)] = torch.tensor(table, dtype=torch.int32)
+        padded = [[*t, *([0] * (width - len(t)))] for t in block_tables]  # one tensor() call
+        tables = torch.tensor(padded, dtype=torch.int32).view(len(s_lens), width)
         q_t = torch.tensor(q_lens, dtype=torch.int64)  # [num_seqs]
         seq_of_token = torch.repeat_interleave(torch.arange(len(q_lens)), q_t)  # [num_tokens]
         starts = torch.zeros(len(q_lens) + 1, dtype=torch.int64)
@@ -163,6 +166,20 @@ class TorchAttentionBackend(AttentionBackend):
 
     name = "torch"
 
+    def __init__(self) -> None:
+        self._buf: torch.Tensor | None = None  # decode gather scratch, grown on demand
+
+    def _buffer(self, numel: int, like: torch.Tensor) -> torch.Tensor:
+        buf = self._buf
+        if (
+            buf is None
+            or buf.numel() < numel
+            or buf.dtype != like.dtype
+            or buf.device != like.device
+        ):
+            buf = self._buf = torch.empty(int(numel * 1.25), dtype=like.dtype, device=like.device)
+        return buf[:numel]
+
     def forward(
         self,
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
@@ -171,7 +188,7 @@ class TorchAttentionBackend(AttentionBackend):
         scale: float,
         sliding_window: int | None = None,
     ) -> torch.Tensor:
-        _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+        _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
         keys = kv_cache[0].view(-1, head_dim)  # [num_slots * Hkv, D]
         values = kv_cache[1].view(-1, head_dim)
         group = q.shape[1] // num_kv_heads
@@ -182,14 +199,20 @@ class TorchAttentionBackend(AttentionBackend):
             meta._cache[key] = plan
         out = torch.empty_like(q)
 
-        if plan.decode_rows is not None:
-            b, _, max_len = plan.decode_gather.shape
-            flat_rows = plan.decode_gather.view(-1)
-            qd = _fold(q[plan.decode_rows].unsqueeze(1), num_kv_heads, group)  # [B, Hkv, G, D]
-            kd = keys.index_select(0, flat_rows).view(b, num_kv_heads, max_len, head_dim)
-            vd = values.index_select(0, flat_rows).view(b, num_kv_heads, max_len, head_dim)
-            od = F.scaled_dot_product_attention(qd, kd, vd, plan.decode_mask, scale=scale)
-            out[plan.decode_rows] = _unfold(od, 1).squeeze(1)  # [B, H, D]
+        for rows, blocks, mask in plan.decode_groups:
+            # Whole blocks, gathered into a reused buffer: one contiguous copy per block instead
+            # of one per (position, head), and no fresh allocation (page faults) per layer.
+            b, span = rows.numel(), mask.shape[-1]
+            buf = self._buffer(2 * blocks.numel() * block_size * num_kv_heads * head_dim, q)
+            kb = buf[: buf.numel() // 2].view(-1, block_size, num_kv_heads, head_dim)
+            vb = buf[buf.numel() // 2 :].view(-1, block_size, num_kv_heads, head_dim)
+            torch.index_select(kv_cache[0], 0, blocks, out=kb)
+            torch.index_select(kv_cache[1], 0, blocks, out=vb)
+            kd = kb.view(b, span, num_kv_heads, head_dim).transpose(1, 2)  # [b, Hkv, L, D]
+            vd = vb.view(b, span, num_kv_heads, head_dim).transpose(1, 2)
+            qd = _fold(q[rows].unsqueeze(1), num_kv_heads, group)  # [b, Hkv, G, D]
+            od = F.scaled_dot_product_attention(qd, kd, vd, mask, scale=scale)
+            out[rows] = _unfold(od, 1).squeeze(1)  # [b, H, D]
 
         for start, q_len, gather, mask in plan.prefills:
             qp = _fold(q[start : start + q_len].unsqueeze(0), num_kv_heads, group)  # [1,Hkv,G*q,D]
@@ -214,13 +237,16 @@ def _unfold(o: torch.Tensor, q_len: int) -> torch.Tensor:
     return o.reshape(b, q_len, -1, d)
 
 
+DECODE_GROUP = 32  # decode sequences per padded call: sorted by length, so little padding
+
+
 @dataclass
 class _TorchPlan:
     """Gather indices and masks of one step, built once and shared by every layer."""
 
-    decode_rows: torch.Tensor | None  # [B] batch row of each decode sequence's token
-    decode_gather: torch.Tensor | None  # [B, Hkv, Lmax] rows of the [slots * Hkv, D] cache view
-    decode_mask: torch.Tensor | None  # [B, 1, 1, Lmax] True where the key is visible
+    # per decode group: batch rows [b], block ids [b * nb] (padded with each sequence's own
+    # last block: finite data the mask hides), key mask [b, 1, 1, nb * block_size]
+    decode_groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     # per prefill chunk: first batch row, q_len, gather rows [Hkv * L], mask [G * q_len, L]
     prefills: list[tuple[int, int, torch.Tensor, torch.Tensor]]
 
@@ -237,23 +263,27 @@ class _TorchPlan:
         starts = [0]
         for q_len in meta.query_lens_cpu:
             starts.append(starts[-1] + q_len)
-        decode = [s for s, q_len in enumerate(meta.query_lens_cpu) if q_len == 1]
-        tables = meta.block_tables.to(device=device, dtype=torch.int64)
+        lens = meta.seq_lens_cpu
+        decode = sorted(
+            (s for s, q in enumerate(meta.query_lens_cpu) if q == 1), key=lens.__getitem__
+        )
+        tables_cpu = meta.block_tables.to(device="cpu", dtype=torch.int64)
+        tables = tables_cpu.to(device)
         heads = torch.arange(num_kv_heads, device=device)[:, None]  # [Hkv, 1]
 
-        decode_rows = decode_gather = decode_mask = None
-        if decode:
-            lens = torch.tensor([meta.seq_lens_cpu[s] for s in decode], device=device)  # [B]
-            key_pos = torch.arange(max(meta.seq_lens_cpu[s] for s in decode), device=device)
-            last = (lens - 1)[:, None]  # [B, 1] position of each decode query
-            # Padding reads the sequence's own last key: real, finite data that the mask hides
-            # (an unwritten slot could hold NaN, and a mask does not neutralise NaN).
-            idx = torch.tensor(decode, device=device)
-            slots = _slots(tables[idx], torch.minimum(key_pos[None, :], last), block_size)
-            decode_gather = slots[:, None, :] * num_kv_heads + heads  # [B, Hkv, Lmax]
-            # Causal (and windowed) w.r.t. the query at L - 1; this also hides the padding.
-            decode_mask = _visible(key_pos[None, :], last, window)[:, None, None, :]
-            decode_rows = torch.tensor([starts[s] for s in decode], device=device)
+        decode_groups = []
+        for g in range(0, len(decode), DECODE_GROUP):
+            seqs = decode[g : g + DECODE_GROUP]
+            idx = torch.tensor(seqs)
+            glens = torch.tensor([lens[s] for s in seqs])  # [b]
+            nb = -(-int(glens.max()) // block_size)
+            last_block = (glens - 1) // block_size  # [b]
+            col = torch.minimum(torch.arange(nb)[None, :], last_block[:, None])  # [b, nb]
+            blocks = torch.gather(tables_cpu[idx], 1, col).reshape(-1)  # [b * nb]
+            key_pos = torch.arange(nb * block_size)
+            mask = _visible(key_pos[None, :], (glens - 1)[:, None], window)[:, None, None, :]
+            rows = torch.tensor([starts[s] for s in seqs])
+            decode_groups.append((rows.to(device), blocks.to(device), mask.to(device)))
 
         prefills = []
         for s, q_len in enumerate(meta.query_lens_cpu):
@@ -267,7 +297,7 @@ class _TorchPlan:
             mask = _visible(key_pos[None, :], q_pos, window)  # [q_len, L]
             mask = mask.repeat(group, 1)  # [G * q_len, L]: folded row g * q_len + i is query i
             prefills.append((starts[s], q_len, gather, mask))
-        return cls(decode_rows, decode_gather, decode_mask, prefills)
+        return cls(decode_groups, prefills)
 
 
 def _slots(tables: torch.Tensor, pos: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -287,7 +317,9 @@ def _visible(key_pos: torch.Tensor, query_pos: torch.Tensor, window: int | None)
 FLASH_HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
 
 
+@functools.cache
 def _import_flash() -> Any:
+    # Cached: a failed import is retried by Python on every call, and this runs per lookup.
     try:
         module = importlib.import_module("vllm_flash_attn")
     except Exception:  # ImportError, or a wheel built for another torch/CUDA failing to load
@@ -325,6 +357,8 @@ class FlashAttentionBackend(AttentionBackend):
             return f"needs a CUDA device, got {device}"
         if _import_flash() is None:
             return _FLASH_MISSING
+        if torch.cuda.get_device_capability(device)[0] < 8:
+            return "needs compute capability 8.0 or newer (Ampere+)"
         if head_dim is not None and head_dim not in FLASH_HEAD_DIMS:
             return f"head_dim {head_dim} not in {FLASH_HEAD_DIMS}"
         if dtype is not None and dtype not in (torch.float16, torch.bfloat16):

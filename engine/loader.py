@@ -83,7 +83,7 @@ def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
     # One tensor at a time, so peak host memory is one tensor, not the checkpoint.
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+            for name in f.keys():  # safe_open is not a mapping: keys() is the API
                 yield name, f.get_tensor(name)
 
 

@@ -66,24 +66,25 @@ class RotaryEmbedding(nn.Module):
         self.inv_freq = rope_inv_freq(config)  # [head_dim // 2]
 
     def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+        self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions [T]; q [T, H, D]; k [T, Hkv, D]
+        """cos, sin `[T, 1, head_dim]` for positions `[T]`; computed once per step."""
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
         freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]
-        cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x [T, heads, D]; rotate-half convention (HF / GPT-NeoX), not interleaved pairs
     half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -97,11 +98,10 @@ class Attention(nn.Module):
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
         )
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
-        self.rotary = rotary
 
     def forward(
         self,
-        positions: torch.Tensor,  # [T]
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin [T, 1, D]
         x: torch.Tensor,  # [T, hidden]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
         meta: AttentionMetadata,
@@ -112,7 +112,7 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        q, k = self.rotary(positions, q, k)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         # Write first: attention reads this step's keys back from the cache with the context.
         backend.write_kv(k, v, kv_cache, meta.slot_mapping)
         out = backend.forward(q, kv_cache, meta, self.scale, self.sliding_window)  # [T, H, D]
@@ -137,23 +137,23 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, rotary)
+        self.self_attn = Attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
     def forward(
         self,
-        positions: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
         x: torch.Tensor,  # [T, hidden]
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
         h = self.input_layernorm(x)
-        x = x + self.self_attn(positions, h, kv_cache, meta, backend)
+        x = x + self.self_attn(rope, h, kv_cache, meta, backend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -161,10 +161,8 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.rotary = RotaryEmbedding(config)  # shared by all layers; holds no parameters
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, self.rotary) for _ in range(config.num_hidden_layers)
-        )
+        self.rotary = RotaryEmbedding(config)  # cos/sin shared by all layers; no parameters
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -209,8 +207,9 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         backend = self.attn_backend(x.device, x.dtype)
+        rope = self.model.rotary(positions, x.dtype)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(positions, x, kv_cache, attn_metadata, backend)
+            x = layer(rope, x, kv_cache, attn_metadata, backend)
         return self.model.norm(x)  # [T, hidden]
 
     @torch.inference_mode()

@@ -25,6 +25,8 @@ from fairbatch.engine.model import LlamaForCausalLM, rope_inv_freq
 CKPTS = ["llama_ckpt", "llama3_ckpt", "qwen2_ckpt", "mistral_ckpt"]
 VOCAB = 512
 
+POISON = 1.0e4  # fills never-written cache slots
+
 
 @pytest.fixture(scope="module")
 def loaded(request: pytest.FixtureRequest) -> dict[str, tuple]:
@@ -58,10 +60,11 @@ class MiniEngine:
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, seed: int):
         self.model, self.block_size = model, block_size
         layers = model.config.num_hidden_layers
-        # NaN-filled, so a read of any slot that was never written poisons the output.
+        # Filled with a huge finite value, so any unmasked read of a slot that was never written
+        # throws the output off. (Not NaN: the torch backend reads whole blocks and masks the
+        # unwritten tail, and a mask cannot neutralise NaN; the cache engine zero-fills.)
         self.caches = [
-            torch.full(model.kv_cache_shape(num_blocks, block_size), float("nan"))
-            for _ in range(layers)
+            torch.full(model.kv_cache_shape(num_blocks, block_size), POISON) for _ in range(layers)
         ]
         self.free = list(range(num_blocks))
         random.Random(seed).shuffle(self.free)
@@ -171,7 +174,7 @@ def test_torch_backend_matches_dense_reference(window: int | None) -> None:
     vs = [torch.randn(n, kv_heads, dim, generator=gen) for n in seq_lens]
     free = torch.randperm(num_blocks, generator=gen).tolist()
     tables = [[free.pop() for _ in range(math.ceil(n / block_size))] for n in seq_lens]
-    cache = torch.full((2, num_blocks, block_size, kv_heads, dim), float("nan"))
+    cache = torch.full((2, num_blocks, block_size, kv_heads, dim), POISON)
     backend = get_attn_backend("torch", "cpu")
     # The earlier context goes in as a previous step; this step's tokens through its metadata.
     ctx = [n - q for n, q in zip(seq_lens, q_lens)]
