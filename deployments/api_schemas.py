@@ -1,0 +1,318 @@
+"""OpenAI request bodies (validated) and response bodies (built), for the ingress.
+
+Requests are pydantic models in strict mode: `"temperature": "0.5"` or `"max_tokens": true` is a
+400, not a silent coercion; non-finite floats are refused; unknown fields are ignored (newer
+clients send more than we know). Fields that take several shapes (`prompt`, `stop`, message
+`content`) are checked by hand so their errors read plainly.
+
+Extensions beyond OpenAI, as vLLM names them: `top_k`, `min_p`, `repetition_penalty`,
+`ignore_eos`. Only one completion per request (`n` = 1).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from fairbatch.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+
+INT64_MIN, UINT64_END = -(2**63), 2**64
+
+
+class ApiError(Exception):
+    """An error for the client, in OpenAI's shape: {"error": {message, type, param, code}}."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+# ---- requests ---------------------------------------------------------------------------------
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Body):
+    """Fields shared by both endpoints."""
+
+    model: str = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=-1)  # -1 or 0 = off
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    repetition_penalty: float | None = Field(default=None, gt=0, le=10)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    seed: int | None = Field(default=None, ge=INT64_MIN, lt=UINT64_END)
+    stop: Any = None  # str | list[str] | None, checked in `stop_list`
+    n: int | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    user: str | None = None  # accepted, unused (never logged)
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, n: int | None) -> int | None:
+        if n is not None and n != 1:
+            raise ValueError(f"n must be 1: only one choice per request is supported, got {n}")
+        return n
+
+    def stop_list(self, max_stops: int) -> list[str]:
+        stop = self.stop
+        if stop is None:
+            return []
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            raise bad_request("stop must be a string or a list of strings", "stop")
+        if len(stop) > max_stops:
+            raise bad_request(f"stop takes at most {max_stops} sequences", "stop")
+        if any(not s for s in stop):
+            raise bad_request("stop sequences must not be empty", "stop")
+        return stop
+
+    def check_stream_options(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options is only allowed when stream is true", "stream")
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None, stop: list[str]):
+        temperature = 1.0 if self.temperature is None else self.temperature
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=self.top_k or 0,
+                min_p=self.min_p or 0.0,
+                seed=self.seed,
+                stop=stop,
+                ignore_eos=self.ignore_eos,
+                presence_penalty=self.presence_penalty or 0.0,
+                frequency_penalty=self.frequency_penalty or 0.0,
+                repetition_penalty=1.0
+                if self.repetition_penalty is None
+                else self.repetition_penalty,
+                logprobs=logprobs,
+            )
+        except ValueError as e:  # every range is checked above; this is a last line
+            raise bad_request(str(e)) from None
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Any = Field(default=...)  # str | list[int] | [str] | [list[int]], see `prompt_input`
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def check_unsupported(self) -> None:
+        if self.echo:
+            raise bad_request("echo is not supported", "echo")
+        if self.suffix:
+            raise bad_request("suffix is not supported", "suffix")
+        if self.best_of is not None and self.best_of != 1:
+            raise bad_request("best_of must be 1", "best_of")
+
+    def prompt_input(self) -> str | list[int]:
+        """The one prompt: text or token ids. A batch of prompts is refused."""
+        p = self.prompt
+        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+            p = p[0]  # a batch of one
+        if isinstance(p, str):
+            if not p:
+                raise bad_request("prompt must not be empty", "prompt")
+            return p
+        if isinstance(p, list):
+            if not p:
+                raise bad_request("prompt must not be empty", "prompt")
+            if all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+                return p
+            if all(isinstance(x, (str, list)) for x in p):
+                raise bad_request("only one prompt per request is supported", "prompt")
+        raise bad_request("prompt must be a string or a list of token ids", "prompt")
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Any = None  # str | [{"type": "text", "text": str}] | None, checked in `text`
+    name: str | None = None
+
+    def text(self, index: int) -> str:
+        content, param = self.content, f"messages.{index}.content"
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if not (isinstance(part, dict) and part.get("type") == "text"):
+                    raise bad_request("only text content parts are supported", param)
+                if not isinstance(part.get("text"), str):
+                    raise bad_request("a text content part needs a string 'text'", param)
+                parts.append(part["text"])
+            content = "".join(parts)
+        elif content is not None and not isinstance(content, str):
+            raise bad_request("content must be a string or a list of text parts", param)
+        if content is None:
+            if self.role != "assistant":
+                raise bad_request(
+                    f"messages[{index}] ({self.role}) needs content", f"messages.{index}.content"
+                )
+            content = ""
+        return content
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def check_unsupported(self) -> None:
+        if self.tools:
+            raise bad_request("tools are not supported", "tools")
+        fmt = self.response_format
+        if fmt is not None and fmt.get("type", "text") != "text":
+            raise bad_request("only the text response_format is supported", "response_format")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
+
+    def chat_messages(self) -> list[dict[str, str]]:
+        # "developer" is OpenAI's newer name for "system"; templates know only "system".
+        return [
+            {"role": "system" if m.role == "developer" else m.role, "content": m.text(i)}
+            for i, m in enumerate(self.messages)
+        ]
+
+
+class TenantPatch(BaseModel):
+    """PATCH /admin/tenants/{name}: fields left out are unchanged; tokens_per_minute null
+    removes the quota."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid")
+    weight: float | None = Field(default=None, gt=0, le=1e6)
+    priority: int | None = Field(default=None, ge=-1000, le=1000)
+    tokens_per_minute: float | None = Field(default=None, gt=0)
+    max_requests: int | None = Field(default=None, ge=1)
+
+
+# ---- responses --------------------------------------------------------------------------------
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def finish_reason(reason: str | None) -> str | None:
+    """Engine reasons -> OpenAI's: "stop" (EOS, stop token or string) or "length"."""
+    if reason is None:
+        return None
+    return "length" if reason == "length" else "stop"
+
+
+def model_card(name: str, created: int, max_model_len: int) -> dict:
+    return {
+        "id": name,
+        "object": "model",
+        "created": created,
+        "owned_by": "fairbatch",
+        "max_model_len": max_model_len,
+    }
+
+
+def _finite(logprob: float) -> float:
+    # JSON has no -Infinity; OpenAI reports impossible tokens as -9999.0.
+    return logprob if math.isfinite(logprob) else -9999.0
+
+
+class LogprobFormatter:
+    """The sampler's [(sampled, lp), (top1, lp), ...] records, in OpenAI's two shapes."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def token(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return f"<{token_id}>"
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def chat(self, records: list[Any], top_n: int) -> list[dict]:
+        out = []
+        for rec in records:
+            (tid, lp), tops = rec[0], rec[1 : 1 + top_n]
+            tok = self.token(tid)
+            out.append(
+                {
+                    "token": tok,
+                    "logprob": _finite(lp),
+                    "bytes": list(tok.encode("utf-8")),
+                    "top_logprobs": [
+                        {"token": t, "logprob": _finite(v), "bytes": list(t.encode("utf-8"))}
+                        for t, v in ((self.token(i), v) for i, v in tops)
+                    ],
+                }
+            )
+        return out
+
+    def completion(self, records: list[Any], top_n: int, offset: int) -> dict:
+        tokens, token_lps, tops, offsets = [], [], [], []
+        for rec in records:
+            (tid, lp), top = rec[0], rec[1 : 1 + top_n]
+            tok = self.token(tid)
+            tokens.append(tok)
+            token_lps.append(_finite(lp))
+            tops.append({self.token(i): _finite(v) for i, v in top} if top_n else None)
+            offsets.append(offset)
+            offset += len(tok)
+        return {
+            "tokens": tokens,
+            "token_logprobs": token_lps,
+            "top_logprobs": tops,
+            "text_offset": offsets,
+        }
+
+
+def now() -> int:
+    return int(time.time())

@@ -1,0 +1,460 @@
+"""`create_app(backend, config) -> FastAPI`: the OpenAI-compatible HTTP API over a backend.
+
+Routes: GET /health, GET /v1/models[/{model}], POST /v1/completions, POST /v1/chat/completions,
+GET|DELETE /v1/requests/{id} (the caller's own in-flight requests only), and the admin routes
+GET /admin/tenants, PATCH /admin/tenants/{name}.
+
+Every request goes: key -> tenant (401), body read under a size cap (413, before parsing),
+JSON + schema (400), model (404), tokenize + context check (400), quota and in-flight bounds
+(429/503 with Retry-After), then the backend. Every error has OpenAI's shape
+{"error": {"message", "type", "param", "code"}}; user input never yields a 500.
+
+A client that goes away is noticed while its request waits for its first token (the request
+is cancelled) and while it streams (the stream is closed): either way the backend iterator is
+closed, which aborts the request and frees its KV blocks. Logs carry request ids, tenants and
+token counts, never keys or prompt text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from fairbatch.deployments import api_schemas as S
+from fairbatch.deployments.api_http import (
+    ClientGone,
+    SSEResponse,
+    close_stream,
+    error_response,
+    maybe_await,
+    read_json,
+    until_disconnect,
+    validate,
+    validation_message,
+)
+from fairbatch.deployments.api_responses import ResponseRun
+from fairbatch.deployments.api_schemas import ApiError, bad_request
+from fairbatch.deployments.config import AppConfig, parse_config
+from fairbatch.deployments.tenants import AuthError, Rejected, TenantRegistry, TenantState, Ticket
+
+log = logging.getLogger("fairbatch.api")
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+TOKENIZE_IN_THREAD_CHARS = 4096  # longer texts are tokenized off the event loop
+
+
+# ---- the app ---------------------------------------------------------------------------------
+
+
+class _Api:
+    """The state behind the routes: backend, config, tenants."""
+
+    def __init__(self, backend: Any, config: AppConfig, clock: Callable[[], float]) -> None:
+        self.config = config
+        self.limits = config.limits
+        self.registry = TenantRegistry(config, clock)
+        self.model_name = config.model_name
+        self.created = int(time.time())
+        self.backend: Any = None
+        if backend is not None:
+            self.bind(backend)
+
+    def bind(self, backend: Any) -> None:
+        """Serve through `backend` from now on (its tokenizer and context length too)."""
+        self.tokenizer = backend.tokenizer
+        self.max_model_len = int(backend.max_model_len)
+        if self.limits.max_model_len is not None:
+            self.max_model_len = min(self.max_model_len, self.limits.max_model_len)
+        self.logprobs = S.LogprobFormatter(self.tokenizer)
+        self.backend = backend
+
+    def ready(self) -> None:
+        if self.backend is None:
+            raise ApiError(
+                503,
+                "the model backend is not ready yet; retry later",
+                type="server_error",
+                code="backend_unavailable",
+                headers={"Retry-After": str(self.limits.retry_after_s)},
+            )
+
+    # -- tenants -------------------------------------------------------------------------------
+
+    def tenant(self, request: Request) -> TenantState:
+        try:
+            return self.registry.authenticate(request.headers.get("authorization"))
+        except AuthError as e:
+            raise ApiError(
+                401,
+                str(e),
+                type="authentication_error",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            ) from None
+
+    def require_admin(self, request: Request) -> None:
+        if not self.registry.admin_enabled:
+            raise ApiError(
+                403, "the admin API is disabled: no admin key is configured", code="admin_disabled"
+            )
+        if not self.registry.is_admin(request.headers.get("authorization")):
+            raise ApiError(
+                401, "the admin API needs the admin key", type="authentication_error",
+                code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"},
+            )  # fmt: skip
+
+    async def push_tenant(self, t: TenantState) -> None:
+        hook = getattr(self.backend, "update_tenant", None)
+        if hook is not None:
+            await maybe_await(hook(t.name, t.weight, t.priority, t.tokens_per_minute))
+
+    # -- prompts -------------------------------------------------------------------------------
+
+    def check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise ApiError(
+                404,
+                f"The model '{model}' does not exist; this server serves '{self.model_name}'",
+                param="model",
+                code="model_not_found",
+            )
+
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        try:
+            if len(text) > TOKENIZE_IN_THREAD_CHARS:
+                return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
+            return self.tokenizer.encode(text, add_special_tokens)
+        except Exception:
+            raise bad_request("the prompt could not be tokenized", "prompt") from None
+
+    def check_ids(self, ids: list[int]) -> list[int]:
+        vocab = self.tokenizer.vocab_size
+        if any(t < 0 or t >= vocab for t in ids):
+            raise bad_request(f"prompt token ids must be in [0, {vocab})", "prompt")
+        return ids
+
+    def max_tokens(self, n_prompt: int, requested: int | None, default: int) -> int:
+        limit = self.max_model_len
+        if n_prompt == 0:
+            raise bad_request("the prompt is empty after tokenization", "prompt")
+        if n_prompt >= limit:
+            raise bad_request(
+                f"This model's maximum context length is {limit} tokens, and the prompt has "
+                f"{n_prompt} tokens (at least one token must be left for the completion)",
+                "prompt",
+                "context_length_exceeded",
+            )
+        if requested is None:
+            return min(default, limit - n_prompt)
+        if n_prompt + requested > limit:
+            raise bad_request(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{n_prompt + requested} tokens ({n_prompt} in the prompt, {requested} for the "
+                f"completion). Reduce the prompt or max_tokens.",
+                "max_tokens",
+                "context_length_exceeded",
+            )
+        return requested
+
+    # -- running a request ---------------------------------------------------------------------
+
+    def admit(self, tenant: TenantState, prefix: str, n_prompt: int) -> Ticket:
+        rid = f"{prefix}-{secrets.token_urlsafe(18)}"
+        try:
+            return self.registry.admit(tenant, rid, n_prompt, S.now())
+        except Rejected as r:
+            log.info("rejected tenant=%s status=%d code=%s", tenant.name, r.status, r.code)
+            raise ApiError(
+                r.status,
+                r.message,
+                type="rate_limit_error" if r.status == 429 else "server_error",
+                code=r.code,
+                headers={"Retry-After": str(r.retry_after)},
+            ) from None
+
+    async def start(
+        self, request: Request, ticket: Ticket, prompt_ids: list[int], params: Any
+    ) -> tuple[AsyncIterator[Any], Any]:
+        """Submit and wait for the first delta (watching for a disconnect meanwhile)."""
+        it = self.backend.generate(
+            prompt_ids,
+            params,
+            request_id=ticket.request_id,
+            tenant=ticket.tenant.name,
+            priority=ticket.tenant.priority,
+        )
+        try:
+            first = await until_disconnect(request, it.__anext__())
+        except BaseException as e:
+            await close_stream(it)
+            self.registry.release(ticket)
+            if isinstance(e, ClientGone):
+                self.finish_log(ticket, "client_gone")
+                raise
+            if isinstance(e, ValueError):
+                self.registry.refund(ticket)
+                raise bad_request(str(e)[:500]) from None
+            if isinstance(e, StopAsyncIteration):
+                e = RuntimeError("the backend stream ended without output")
+            if isinstance(e, Exception):
+                log.warning("backend failed request_id=%s: %s", ticket.request_id, type(e).__name__)
+                raise self.backend_error(ticket) from None
+            raise
+        return it, first
+
+    def backend_error(self, ticket: Ticket) -> ApiError:
+        if ticket.cancelled:
+            return ApiError(409, "the request was cancelled", code="request_cancelled")
+        return ApiError(
+            503,
+            "the model backend failed to serve this request; retry later",
+            type="server_error",
+            code="backend_unavailable",
+            headers={"Retry-After": str(self.limits.retry_after_s)},
+        )
+
+    def finish_log(self, ticket: Ticket, outcome: str) -> None:
+        log.info(
+            "request_id=%s tenant=%s outcome=%s prompt_tokens=%d completion_tokens=%d",
+            ticket.request_id,
+            ticket.tenant.name,
+            outcome,
+            ticket.prompt_tokens,
+            ticket.completion_tokens,
+        )
+
+
+def create_app(
+    backend: Any,
+    config: AppConfig | dict | None = None,
+    *,
+    clock: Callable[[], float] = time.monotonic,
+) -> FastAPI:
+    """The OpenAI-compatible app over `backend` (see `openai_api` for the protocol).
+
+    `backend` may be None: the API answers 503 until `bind_backend(app, backend)`.
+    `config`: an `AppConfig` or its dict form (None = the embedded default: anonymous access,
+    no admin key). `clock` drives the quota buckets (tests inject one).
+
+    `app.state.api` holds the live state; `app.state.registry` the tenants and counters.
+    """
+    api = _Api(backend, parse_config(config), clock)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if api.backend is not None:
+            for t in api.registry.tenants.values():
+                await api.push_tenant(t)
+        yield
+
+    app = FastAPI(title="fairbatch", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.api = api
+    app.state.registry = api.registry
+
+    # -- errors ----------------------------------------------------------------------------
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        msg, param = validation_message(list(exc.errors()))
+        return error_response(bad_request(msg, param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        err = ApiError(exc.status_code, str(exc.detail), type=kind, code=None)
+        err.headers = dict(exc.headers or {})
+        return error_response(err)
+
+    @app.exception_handler(ClientGone)
+    async def _gone(request: Request, exc: ClientGone) -> JSONResponse:
+        return error_response(ApiError(499, "client closed the request", code="client_gone"))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        log.error("internal error on %s: %s", request.url.path, type(exc).__name__, exc_info=exc)
+        return error_response(
+            ApiError(500, "internal server error", type="server_error", code="internal_error")
+        )
+
+    # -- plain routes ----------------------------------------------------------------------
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        check = getattr(api.backend, "check_health", None)
+        ok = api.backend is not None
+        if check is not None:
+            try:
+                ok = bool(await maybe_await(check()))
+            except Exception:
+                ok = False
+        if not ok:
+            return JSONResponse({"status": "unhealthy"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict:
+        api.tenant(request)
+        api.ready()
+        card = S.model_card(api.model_name, api.created, api.max_model_len)
+        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str, request: Request) -> dict:
+        api.tenant(request)
+        api.ready()
+        api.check_model(model)
+        return S.model_card(api.model_name, api.created, api.max_model_len)
+
+    # -- generation ------------------------------------------------------------------------
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        tenant = api.tenant(request)
+        api.ready()
+        body = validate(S.CompletionRequest, await read_json(request, api.limits.max_body_bytes))
+        api.check_model(body.model)
+        body.check_unsupported()
+        body.check_stream_options()
+        prompt = body.prompt_input()
+        ids = api.check_ids(prompt) if isinstance(prompt, list) else await api.encode(prompt)
+        max_tokens = api.max_tokens(len(ids), body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS)
+        stop = body.stop_list(api.limits.max_stop_sequences)
+        params = body.sampling_params(max_tokens, body.logprobs, stop)
+        ticket = api.admit(tenant, "cmpl", len(ids))
+        it, first = await api.start(request, ticket, ids, params)
+        run = ResponseRun(api, ticket, it, first, chat=False, top_n=body.logprobs)
+        if body.stream:
+            usage = bool(body.stream_options and body.stream_options.include_usage)
+            return SSEResponse(run.stream(usage), run.close)
+        return await run.complete(request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Any:
+        tenant = api.tenant(request)
+        api.ready()
+        data = await read_json(request, api.limits.max_body_bytes)
+        body = validate(S.ChatCompletionRequest, data)
+        api.check_model(body.model)
+        body.check_unsupported()
+        body.check_stream_options()
+        messages = body.chat_messages()
+        try:
+            text = api.tokenizer.apply_chat_template(messages)
+        except Exception as e:  # the template's own checks (roles, order) raise ValueError
+            msg = str(e) if isinstance(e, ValueError) else "the chat template cannot render these"
+            raise bad_request(msg[:500], "messages") from None
+        bos = api.tokenizer.bos_token
+        ids = await api.encode(text, add_special_tokens=not (bos and text.startswith(bos)))
+        requested = body.max_completion_tokens or body.max_tokens
+        max_tokens = api.max_tokens(len(ids), requested, api.limits.default_max_tokens)
+        stop = body.stop_list(api.limits.max_stop_sequences)
+        top_n = (body.top_logprobs or 0) if body.logprobs else None
+        params = body.sampling_params(max_tokens, top_n, stop)
+        ticket = api.admit(tenant, "chatcmpl", len(ids))
+        it, first = await api.start(request, ticket, ids, params)
+        run = ResponseRun(api, ticket, it, first, chat=True, top_n=top_n)
+        if body.stream:
+            usage = bool(body.stream_options and body.stream_options.include_usage)
+            return SSEResponse(run.stream(usage), run.close)
+        return await run.complete(request)
+
+    # -- the caller's own requests ---------------------------------------------------------
+
+    def own(request: Request, request_id: str) -> Ticket:
+        ticket = api.registry.lookup(api.tenant(request), request_id)
+        if ticket is None:  # also when another tenant owns it: ids cannot be probed
+            raise ApiError(404, f"no request {request_id!r} in flight", code="request_not_found")
+        return ticket
+
+    @app.get("/v1/requests/{request_id}")
+    async def get_request(request_id: str, request: Request) -> dict:
+        t = own(request, request_id)
+        return {
+            "id": t.request_id,
+            "object": "request",
+            "created": t.created,
+            "model": api.model_name,
+            "status": "cancelling" if t.cancelled else "running",
+            "usage": S.usage(t.prompt_tokens, t.completion_tokens),
+        }
+
+    @app.delete("/v1/requests/{request_id}")
+    async def cancel_request(request_id: str, request: Request) -> dict:
+        t = own(request, request_id)
+        t.cancelled = True
+        await api.backend.abort(t.request_id)
+        log.info("cancel request_id=%s tenant=%s", t.request_id, t.tenant.name)
+        return {"id": t.request_id, "object": "request", "cancelled": True}
+
+    # -- admin -----------------------------------------------------------------------------
+
+    @app.get("/admin/tenants")
+    async def list_tenants(request: Request) -> dict:
+        api.require_admin(request)
+        reg = api.registry
+        return {
+            "object": "list",
+            "data": [t.public() for t in reg.tenants.values()],
+            "in_flight": reg.total_in_flight,
+            "rejected": reg.rejected_total,
+        }
+
+    @app.patch("/admin/tenants/{name}")
+    async def patch_tenant(name: str, request: Request) -> dict:
+        api.require_admin(request)
+        data = await read_json(request, api.limits.max_body_bytes)
+        patch = validate(S.TenantPatch, data)
+        reg = api.registry
+        if name not in reg.tenants:
+            raise ApiError(404, f"unknown tenant {name!r}", param="name", code="tenant_not_found")
+        old = reg.tenants[name].public()
+        state = reg.update(
+            name,
+            weight=patch.weight,
+            priority=patch.priority,
+            tokens_per_minute=patch.tokens_per_minute,
+            clear_quota="tokens_per_minute" in patch.model_fields_set
+            and patch.tokens_per_minute is None,
+            max_requests=patch.max_requests,
+        )
+        try:
+            await api.push_tenant(state)
+        except Exception:
+            reg.update(
+                name,
+                weight=old["weight"],
+                priority=old["priority"],
+                tokens_per_minute=old["tokens_per_minute"],
+                clear_quota=old["tokens_per_minute"] is None,
+            )
+            log.error("backend refused the update of tenant %s", name, exc_info=True)
+            raise ApiError(
+                502, "the backend refused the tenant update", type="server_error"
+            ) from None
+        log.info("admin updated tenant %s", name)
+        return state.public()
+
+    return app
+
+
+async def bind_backend(app: FastAPI, backend: Any) -> None:
+    """Attach `backend` to an app made by `create_app(None, config)` (until then the API
+    answers 503), and push the configured tenants to it. For hosts, such as a Serve ingress,
+    that must build the app before the backend exists."""
+    api: _Api = app.state.api
+    api.bind(backend)
+    for t in api.registry.tenants.values():
+        await api.push_tenant(t)

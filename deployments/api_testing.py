@@ -1,0 +1,65 @@
+"""Serve apps over real HTTP on loopback from a background event loop (tests, examples).
+
+`ServerLoop` owns one event loop in a daemon thread; `serve(app)` starts a uvicorn server for
+`app` on 127.0.0.1 with a free port on that loop and returns its base URL. Several apps can
+share one loop, and so one `LocalBackend` (its AsyncEngine is bound to the loop it first runs
+on). Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+from collections.abc import Coroutine
+from typing import Any
+
+import uvicorn
+
+START_TIMEOUT_S = 30.0
+
+
+class ServerLoop:
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="api-loop", daemon=True)
+        self._thread.start()
+        self._servers: list[tuple[uvicorn.Server, asyncio.Future]] = []
+
+    def run(self, coro: Coroutine[Any, Any, Any], timeout: float = 60.0) -> Any:
+        """Run `coro` on the loop and wait (at most `timeout` s) for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def serve(self, app: Any) -> str:
+        """Start serving `app`; returns "http://127.0.0.1:PORT"."""
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_keep_alive=5)
+        server = uvicorn.Server(config)
+        server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+        fut = asyncio.run_coroutine_threadsafe(server.serve(sockets=[sock]), self.loop)
+
+        async def started() -> None:
+            while not server.started:
+                if fut.done():
+                    fut.result()  # raises the start-up error
+                    raise RuntimeError("server exited during start-up")
+                await asyncio.sleep(0.01)
+
+        self.run(asyncio.wait_for(started(), START_TIMEOUT_S), START_TIMEOUT_S + 5)
+        self._servers.append((server, fut))
+        return f"http://127.0.0.1:{port}"
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop every server, then the loop."""
+        for server, _ in self._servers:
+            server.should_exit = True
+        for _, fut in self._servers:
+            try:
+                fut.result(timeout)
+            except Exception:
+                pass
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout)

@@ -1,0 +1,161 @@
+"""The app's configuration: tenants, keys and limits, validated once at the boundary.
+
+`AppConfig` is the pydantic model for the app args (a Python dict or the YAML `args:` of a
+Serve config). Every error names the field it is about (`tenants.1.weight: ...`), and unknown
+fields are errors, so a typo in a YAML file fails at start-up instead of being ignored.
+
+Keys: a tenant's `api_key` is hashed (sha256) when the config is loaded and only the digest is
+kept; `api_key_sha256` (64 hex digits) lets a config file hold no plain key at all. The same
+holds for the admin key. Nothing here imports torch or ray.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+SHA256_HEX = r"^[0-9a-fA-F]{64}$"
+
+
+def sha256_hex(key: str) -> str:
+    """The lower-case hex sha256 digest of an API key (UTF-8)."""
+    return hashlib.sha256(key.encode("utf-8")).hexdigest()
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TenantConfig(_Strict):
+    """One tenant: who it is (a key), its share, its class and its quota."""
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    api_key: str | None = Field(default=None, min_length=1, repr=False)  # hashed on load
+    api_key_sha256: str | None = Field(default=None, pattern=SHA256_HEX, repr=False)
+    weight: float = Field(default=1.0, gt=0, le=1e6)  # share under weighted fair scheduling
+    priority: int = Field(default=0, ge=-1000, le=1000)  # higher = more important
+    tokens_per_minute: float | None = Field(default=None, gt=0)  # None = unlimited
+    max_requests: int | None = Field(default=None, ge=1)  # in flight; None = limits' default
+
+    @model_validator(mode="after")
+    def _hash_key(self) -> TenantConfig:
+        if self.api_key is not None and self.api_key_sha256 is not None:
+            raise ValueError("give api_key or api_key_sha256, not both")
+        if self.api_key is not None:
+            digest = sha256_hex(self.api_key)
+            # Keep only the digest: the plain key never lives past validation.
+            object.__setattr__(self, "api_key", None)
+            object.__setattr__(self, "api_key_sha256", digest)
+        elif self.api_key_sha256 is not None:
+            object.__setattr__(self, "api_key_sha256", self.api_key_sha256.lower())
+        return self
+
+
+class LimitsConfig(_Strict):
+    """Bounds that keep one client (or all of them) from exhausting the ingress."""
+
+    max_body_bytes: int = Field(default=1 << 20, ge=1024)  # larger bodies: 413, never parsed
+    max_requests_per_tenant: int = Field(default=64, ge=1)  # in flight per tenant, else 429
+    max_requests_total: int = Field(default=256, ge=1)  # in flight overall, else 503
+    retry_after_s: int = Field(default=1, ge=1, le=3600)  # Retry-After for full queues
+    max_model_len: int | None = Field(default=None, ge=2)  # None = the backend's own limit
+    default_max_tokens: int = Field(default=256, ge=1)  # chat requests without max_tokens
+    max_stop_sequences: int = Field(default=4, ge=1, le=64)  # OpenAI allows 4
+
+
+class AppConfig(_Strict):
+    """The app args. The embedded default (`AppConfig()`) serves the tiny model to anyone."""
+
+    model: str = Field(default="tiny", min_length=1)  # "tiny" or a HF model directory
+    served_model_name: str | None = Field(default=None, min_length=1)  # the API's `model` id
+    tenants: list[TenantConfig] = Field(default_factory=list)
+    allow_anonymous: bool = True  # requests without a key run as `anonymous_tenant`
+    anonymous_tenant: str = Field(default="default", min_length=1, max_length=64)
+    admin_api_key: str | None = Field(default=None, min_length=1, repr=False)  # hashed on load
+    admin_api_key_sha256: str | None = Field(default=None, pattern=SHA256_HEX, repr=False)
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    # Cluster-layer settings (replicas, routing, engine kwargs) are passed through untouched
+    # for the app builder; the ingress itself does not read them.
+    num_replicas: int = Field(default=1, ge=1)
+    engine: dict[str, Any] = Field(default_factory=dict)  # build_engine kwargs
+    controller: dict[str, Any] = Field(default_factory=dict)  # ControllerConfig kwargs
+
+    @model_validator(mode="after")
+    def _check(self) -> AppConfig:
+        if self.admin_api_key is not None and self.admin_api_key_sha256 is not None:
+            raise ValueError("give admin_api_key or admin_api_key_sha256, not both")
+        if self.admin_api_key is not None:
+            object.__setattr__(self, "admin_api_key_sha256", sha256_hex(self.admin_api_key))
+            object.__setattr__(self, "admin_api_key", None)
+        elif self.admin_api_key_sha256 is not None:
+            object.__setattr__(self, "admin_api_key_sha256", self.admin_api_key_sha256.lower())
+        names: set[str] = set()
+        digests: set[str] = set()
+        for i, t in enumerate(self.tenants):
+            if t.name in names:
+                raise ValueError(f"tenants.{i}.name: duplicate tenant name {t.name!r}")
+            names.add(t.name)
+            if t.api_key_sha256 is not None:
+                if t.api_key_sha256 in digests:
+                    raise ValueError(f"tenants.{i}: the same API key is given to two tenants")
+                if t.api_key_sha256 == self.admin_api_key_sha256:
+                    raise ValueError(f"tenants.{i}: a tenant key must differ from the admin key")
+                digests.add(t.api_key_sha256)
+        return self
+
+    @property
+    def model_name(self) -> str:
+        """The id clients put in `model`: `served_model_name`, else the model's last path part."""
+        if self.served_model_name:
+            return self.served_model_name
+        return "fairbatch-tiny" if self.model == "tiny" else Path(self.model).name or self.model
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used; the message names every offending field."""
+
+
+def format_validation_error(err: ValidationError, prefix: str = "") -> str:
+    """One line per problem: `field.path: message`."""
+    lines = []
+    for e in err.errors(include_url=False, include_input=False):
+        loc = ".".join(str(p) for p in e["loc"])
+        msg = e["msg"].removeprefix("Value error, ")
+        lines.append(f"{prefix}{loc}: {msg}" if loc else f"{prefix}{msg}")
+    return "\n".join(lines)
+
+
+def parse_config(args: dict[str, Any] | AppConfig | None) -> AppConfig:
+    """Validate app args; raises ConfigError naming the fields at fault."""
+    if isinstance(args, AppConfig):
+        return args
+    if args is None:
+        return AppConfig()
+    if not isinstance(args, dict):
+        raise ConfigError(f"app config must be a mapping, got {type(args).__name__}")
+    try:
+        return AppConfig.model_validate(args)
+    except ValidationError as e:
+        raise ConfigError("invalid app config:\n" + format_validation_error(e, "  ")) from None
+
+
+def load_config(path: str | Path) -> AppConfig:
+    """Read a YAML file holding the app args (at top level or under `args:`)."""
+    import yaml
+
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if data is None:
+        data = {}
+    if isinstance(data, dict) and set(data) == {"args"}:
+        data = data["args"] or {}
+    try:
+        return parse_config(data)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None

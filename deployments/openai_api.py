@@ -1,0 +1,137 @@
+"""The OpenAI-compatible API: the backend protocol it calls, and a local backend for one engine.
+
+`create_app(backend, config)` (in `api_server`, re-exported here) builds the FastAPI app
+(`create_app(None, config)` + `await bind_backend(app, backend)` when the host must build the
+app before the backend exists, as a Serve ingress class does). It
+talks to whatever serves tokens through the `Backend` protocol below; `LocalBackend` wraps one
+in-process `AsyncEngine` (tests, single-machine runs), and the Ray cluster layer provides
+another implementation with the same protocol.
+
+Backend protocol (duck-typed; only `generate`, `abort`, `tokenizer`, `max_model_len` required):
+
+* `generate(prompt_token_ids, params, *, request_id, tenant, priority)` -> an async iterator of
+  `fairbatch.engine.core.RequestDelta`, ending with a delta whose `finished` is True
+  (`finish_reason` "stop" | "length" | "abort" | "error"). Contract:
+    - nothing is submitted before the first `__anext__`;
+    - closing the iterator early (`aclose()`, or cancelling the task awaiting it) aborts the
+      request and frees its KV blocks;
+    - a `ValueError` raised before the first delta means the request itself was refused (the
+      API answers 400); any other exception means the backend failed (503).
+* `abort(request_id)` (async) -> bool: cancel a request; its stream then ends with an
+  "abort" delta (or simply ends).
+* `tokenizer`: a `fairbatch.engine.tokenizer.Tokenizer` (encode, decode, apply_chat_template,
+  eos_token_ids). The API tokenizes; the backend receives token ids only.
+* `max_model_len`: prompt + completion tokens one request may hold.
+* optional `update_tenant(name, weight, priority, tokens_per_minute)` (sync or async): the
+  tenant's complete new settings, called at app start-up for every configured tenant and on
+  every admin change. `tokens_per_minute` None = unlimited.
+* optional `check_health()` (sync or async) -> bool: False or an exception makes /health 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from fairbatch.engine.core import RequestDelta
+from fairbatch.engine.sampling_params import SamplingParams
+
+
+@runtime_checkable
+class Backend(Protocol):
+    tokenizer: Any
+    max_model_len: int
+
+    def generate(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        request_id: str,
+        tenant: str,
+        priority: int,
+    ) -> AsyncIterator[RequestDelta]: ...
+
+    async def abort(self, request_id: str) -> bool: ...
+
+
+class LocalBackend:
+    """The protocol over one in-process `AsyncEngine` (or an `EngineCore`, wrapped)."""
+
+    def __init__(self, engine: Any) -> None:
+        from fairbatch.engine.async_engine import AsyncEngine
+
+        self.engine: AsyncEngine = (
+            engine if isinstance(engine, AsyncEngine) else AsyncEngine(engine)
+        )
+        core = self.engine.engine
+        if core.tokenizer is None:
+            raise ValueError("the OpenAI API needs an engine with a tokenizer")
+        self.tokenizer = core.tokenizer
+        self.max_model_len: int = core.scheduler.max_model_len
+
+    @classmethod
+    def build(cls, model: str = "tiny", **engine_kwargs: Any) -> LocalBackend:
+        """A backend over `build_engine(model, **engine_kwargs)` (loads torch)."""
+        from fairbatch.engine.llm import build_engine
+
+        return cls(build_engine(model, **engine_kwargs))
+
+    async def generate(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        request_id: str,
+        tenant: str,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestDelta]:
+        stream = self.engine.generate(
+            list(prompt_token_ids), params, request_id=request_id, tenant=tenant, priority=priority
+        )
+        finished = False
+        try:
+            async for delta in stream:
+                finished = delta.finished
+                yield delta
+        finally:
+            if not finished:
+                # Abort here rather than rely on the inner stream being finalized by the garbage
+                # collector: the blocks must be free when this generator's close returns.
+                await asyncio.shield(self.engine.abort(request_id))
+            await stream.aclose()
+
+    async def abort(self, request_id: str) -> bool:
+        return await self.engine.abort(request_id)
+
+    async def update_tenant(
+        self, name: str, weight: float, priority: int, tokens_per_minute: float | None
+    ) -> None:
+        # The ingress enforces quotas at admission; the engine's policy gets the share and the
+        # class (a second bucket in the scheduler would throttle already admitted streams).
+        policy = self.engine.engine.scheduler.policy
+        await self.engine.call(policy.update_tenant, name, weight=weight, priority=priority)
+
+    def check_health(self) -> bool:
+        return getattr(self.engine, "_error", None) is None
+
+    async def shutdown(self) -> None:
+        await self.engine.shutdown()
+
+
+def create_app(backend: Any, config: Any = None, **kwargs: Any):
+    """See `fairbatch.deployments.api_server.create_app`."""
+    from fairbatch.deployments.api_server import create_app as _create_app
+
+    return _create_app(backend, config, **kwargs)
+
+
+async def bind_backend(app: Any, backend: Any) -> None:
+    """See `fairbatch.deployments.api_server.bind_backend`."""
+    from fairbatch.deployments.api_server import bind_backend as _bind
+
+    await _bind(app, backend)
+
+
+__all__ = ["Backend", "LocalBackend", "bind_backend", "create_app"]

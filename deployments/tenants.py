@@ -1,0 +1,274 @@
+"""Ingress-side tenant state: who a key belongs to, quotas, in-flight bounds, request owners.
+
+`TenantRegistry` answers, for every request, in this order:
+  1. `authenticate(authorization header)` -> tenant, or AuthError (401).
+  2. `admit(tenant, request_id, prompt_tokens)` -> a `Ticket`, or Rejected (429 over quota or
+     over the tenant's in-flight bound; 503 over the global bound), each with a Retry-After.
+  3. `ticket.charge(n)` as completion tokens come out; `release(ticket)` when it ends.
+
+Quotas are token buckets (`fairbatch.policies.quota.TokenBucket`): a tenant is admitted while
+its bucket is positive; the prompt is charged at admission and every completion token as it is
+produced, so a bucket may go into debt and Retry-After says when the debt will have refilled.
+
+Keys are compared as sha256 digests with `hmac.compare_digest` against every configured digest
+(no early exit), so neither timing nor a dict lookup tells which prefix matched. All methods
+run on the event loop thread: no locks.
+"""
+
+from __future__ import annotations
+
+import hmac
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from fairbatch.deployments.config import AppConfig, TenantConfig, sha256_hex
+from fairbatch.policies.quota import TokenBucket
+
+# Bearer tokens that OpenAI-compatible clients send when they have no key: anonymous.
+NO_KEY_TOKENS = frozenset({"", "EMPTY", "none", "None"})
+
+
+class AuthError(Exception):
+    """Missing or unknown API key (401)."""
+
+
+@dataclass
+class Rejected(Exception):
+    """Admission refused: `status` 429 (tenant quota or bound) or 503 (global bound)."""
+
+    status: int
+    code: str  # "quota_exceeded" | "tenant_queue_full" | "server_busy"
+    message: str
+    retry_after: int  # whole seconds, >= 1
+
+    def __str__(self) -> str:
+        return self.message
+
+
+@dataclass
+class TenantState:
+    """A tenant's live settings and counters (the admin API changes the settings)."""
+
+    name: str
+    weight: float = 1.0
+    priority: int = 0
+    tokens_per_minute: float | None = None
+    max_requests: int | None = None
+    key_digest: str | None = field(default=None, repr=False)
+    bucket: TokenBucket | None = field(default=None, repr=False)
+    in_flight: int = 0
+    tokens_charged: int = 0  # prompt + completion tokens since start
+    requests_admitted: int = 0
+    requests_rejected: int = 0
+
+    def public(self) -> dict:
+        """What the admin API shows: settings and counters, never the key or its digest."""
+        return {
+            "name": self.name,
+            "weight": self.weight,
+            "priority": self.priority,
+            "tokens_per_minute": self.tokens_per_minute,
+            "max_requests": self.max_requests,
+            "in_flight": self.in_flight,
+            "tokens_charged": self.tokens_charged,
+            "requests_admitted": self.requests_admitted,
+            "requests_rejected": self.requests_rejected,
+        }
+
+
+@dataclass
+class Ticket:
+    """One admitted request: its owner, and what it has been charged."""
+
+    request_id: str
+    tenant: TenantState
+    registry: TenantRegistry
+    created: int  # unix seconds
+    prompt_tokens: int
+    completion_tokens: int = 0
+    finished: bool = False
+    finish_reason: str | None = None
+    cancelled: bool = False
+    meta: dict = field(default_factory=dict)
+
+    def charge(self, completion_tokens: int) -> None:
+        """Charge newly produced completion tokens to the tenant's bucket."""
+        if completion_tokens <= 0:
+            return
+        self.completion_tokens += completion_tokens
+        self.registry._charge(self.tenant, completion_tokens)
+
+
+class TenantRegistry:
+    def __init__(self, config: AppConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self.limits = config.limits
+        self.allow_anonymous = config.allow_anonymous
+        self.anonymous = config.anonymous_tenant
+        self._admin_digest = config.admin_api_key_sha256
+        self.tenants: dict[str, TenantState] = {}
+        for t in config.tenants:
+            self._add(t)
+        if self.allow_anonymous and self.anonymous not in self.tenants:
+            self._add(TenantConfig(name=self.anonymous))
+        self._keyed = [t for t in self.tenants.values() if t.key_digest is not None]
+        self.requests: dict[str, Ticket] = {}  # in flight, by request id
+        self.total_in_flight = 0
+        self.rejected_total = 0
+
+    def _add(self, t: TenantConfig) -> None:
+        state = TenantState(
+            t.name, t.weight, t.priority, None, t.max_requests, key_digest=t.api_key_sha256
+        )
+        self.tenants[t.name] = state
+        self._set_quota(state, t.tokens_per_minute)
+
+    def _set_quota(self, state: TenantState, tokens_per_minute: float | None) -> None:
+        level = None
+        if state.bucket is not None:  # a resized bucket keeps its level (debt included)
+            level = state.bucket.level(self._clock())
+        state.tokens_per_minute = tokens_per_minute
+        state.bucket = (
+            None
+            if tokens_per_minute is None
+            else TokenBucket(tokens_per_minute, self._clock(), level)
+        )
+
+    # ---- keys -----------------------------------------------------------------------------
+
+    @staticmethod
+    def _bearer(authorization: str | None) -> str | None:
+        if authorization is None:
+            return None
+        scheme, _, token = authorization.strip().partition(" ")
+        if scheme.lower() != "bearer":
+            raise AuthError("the Authorization header must be 'Bearer <API key>'")
+        return token.strip()
+
+    def authenticate(self, authorization: str | None) -> TenantState:
+        """The tenant of an `Authorization` header; AuthError if there is none to be had."""
+        token = self._bearer(authorization)
+        if token is None or token in NO_KEY_TOKENS:
+            if self.allow_anonymous:
+                return self.tenants[self.anonymous]
+            raise AuthError("missing API key: send 'Authorization: Bearer <API key>'")
+        digest = sha256_hex(token)
+        found = None
+        for t in self._keyed:  # no early exit: the time taken does not depend on the match
+            if hmac.compare_digest(digest, t.key_digest or "") and found is None:
+                found = t
+        if found is None:
+            raise AuthError("invalid API key")
+        return found
+
+    def is_admin(self, authorization: str | None) -> bool:
+        """True when the header carries the admin key (and one is configured)."""
+        if self._admin_digest is None:
+            return False
+        try:
+            token = self._bearer(authorization)
+        except AuthError:
+            return False
+        return token is not None and hmac.compare_digest(sha256_hex(token), self._admin_digest)
+
+    @property
+    def admin_enabled(self) -> bool:
+        return self._admin_digest is not None
+
+    # ---- admission ------------------------------------------------------------------------
+
+    def admit(
+        self, tenant: TenantState, request_id: str, prompt_tokens: int, created: int
+    ) -> Ticket:
+        """Admit a request or raise Rejected. On success the prompt is charged."""
+        retry = self.limits.retry_after_s
+        if tenant.bucket is not None:
+            now = self._clock()
+            if tenant.bucket.level(now) <= 0:
+                wait = max(1, math.ceil(tenant.bucket.retry_after(now)))
+                self._reject(tenant)
+                raise Rejected(
+                    429,
+                    "quota_exceeded",
+                    f"tenant {tenant.name!r} is over its quota of {tenant.tokens_per_minute:g} "
+                    f"tokens per minute; retry in {wait} s",
+                    wait,
+                )
+        bound = tenant.max_requests or self.limits.max_requests_per_tenant
+        if tenant.in_flight >= bound:
+            self._reject(tenant)
+            raise Rejected(
+                429,
+                "tenant_queue_full",
+                f"tenant {tenant.name!r} already has {tenant.in_flight} requests in flight "
+                f"(the limit is {bound}); retry later",
+                retry,
+            )
+        if self.total_in_flight >= self.limits.max_requests_total:
+            self._reject(tenant)
+            raise Rejected(503, "server_busy", "the server is at capacity; retry later", retry)
+        if request_id in self.requests:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        ticket = Ticket(request_id, tenant, self, created, prompt_tokens)
+        self.requests[request_id] = ticket
+        tenant.in_flight += 1
+        tenant.requests_admitted += 1
+        self.total_in_flight += 1
+        self._charge(tenant, prompt_tokens)
+        return ticket
+
+    def release(self, ticket: Ticket) -> None:
+        """The request ended (finished, failed, cancelled or disconnected). Idempotent."""
+        if self.requests.pop(ticket.request_id, None) is None:
+            return
+        ticket.tenant.in_flight -= 1
+        self.total_in_flight -= 1
+
+    def refund(self, ticket: Ticket) -> None:
+        """Give back the prompt charge of a request the backend refused outright."""
+        if ticket.tenant.bucket is not None:
+            ticket.tenant.bucket.consume(-ticket.prompt_tokens, self._clock())
+        ticket.tenant.tokens_charged -= ticket.prompt_tokens
+
+    def lookup(self, tenant: TenantState, request_id: str) -> Ticket | None:
+        """The in-flight request `request_id` if `tenant` owns it; None otherwise (also when
+        another tenant owns it, so ids of others cannot even be probed)."""
+        ticket = self.requests.get(request_id)
+        return ticket if ticket is not None and ticket.tenant is tenant else None
+
+    def _charge(self, tenant: TenantState, tokens: int) -> None:
+        tenant.tokens_charged += tokens
+        if tenant.bucket is not None:
+            tenant.bucket.consume(tokens, self._clock())
+
+    def _reject(self, tenant: TenantState) -> None:
+        tenant.requests_rejected += 1
+        self.rejected_total += 1
+
+    # ---- admin ----------------------------------------------------------------------------
+
+    def update(
+        self,
+        name: str,
+        *,
+        weight: float | None = None,
+        priority: int | None = None,
+        tokens_per_minute: float | None = None,
+        clear_quota: bool = False,
+        max_requests: int | None = None,
+    ) -> TenantState:
+        """Change a tenant's settings (KeyError if unknown); None leaves a field unchanged."""
+        state = self.tenants[name]
+        if weight is not None:
+            state.weight = weight
+        if priority is not None:
+            state.priority = priority
+        if max_requests is not None:
+            state.max_requests = max_requests
+        if clear_quota:
+            self._set_quota(state, None)
+        elif tokens_per_minute is not None:
+            self._set_quota(state, tokens_per_minute)
+        return state

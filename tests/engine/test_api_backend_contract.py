@@ -1,0 +1,268 @@
+"""The API against scripted backends (no torch): the backend protocol's contract, and what the
+client sees when a backend fails, aborts, hangs or refuses. Every wait is bounded.
+
+The scripted backend yields the cluster's `StreamItem`s (no logprobs, several tokens per item),
+so this also checks the API takes what `ClusterClient.generate` streams."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+
+import httpx
+import pytest
+
+from fairbatch.deployments.api_testing import ServerLoop
+from fairbatch.deployments.openai_api import bind_backend, create_app
+from fairbatch.deployments.types import StreamItem
+from fairbatch.engine.tokenizer import Tokenizer
+
+MODEL = "fairbatch-tiny"
+
+
+class ScriptedBackend:
+    """Yields `script` deltas per request; `mode` decides how a request ends."""
+
+    def __init__(self) -> None:
+        self.tokenizer = Tokenizer.tiny()
+        self.max_model_len = 128
+        self.mode = "ok"
+        self.healthy = True
+        self.calls: list[dict] = []  # generate() arguments
+        self.closed: list[str] = []  # request ids whose stream was closed unfinished
+        self.aborted: list[str] = []
+        self.tenant_updates: list[tuple] = []
+        self.refuse_updates = False
+        self._release: dict[str, asyncio.Event] = {}
+
+    async def generate(self, prompt_token_ids, params, *, request_id, tenant, priority):
+        self.calls.append(dict(ids=list(prompt_token_ids), params=params, rid=request_id,
+                               tenant=tenant, priority=priority))  # fmt: skip
+        finished = False
+        try:
+            if self.mode == "refuse":
+                raise ValueError("the backend refuses this prompt")
+            if self.mode == "fail_start":
+                raise RuntimeError("replica died")
+            yield StreamItem([65], "A", False)
+            if self.mode == "fail_mid":
+                raise RuntimeError("replica died mid-stream")
+            if self.mode == "abort":
+                finished = True
+                yield StreamItem([], "", True, "abort")
+                return
+            if self.mode == "hang":
+                event = self._release.setdefault(request_id, asyncio.Event())
+                await event.wait()  # until closed or aborted
+                finished = True
+                yield StreamItem([], "", True, "abort")
+                return
+            finished = True
+            yield StreamItem([66, 67], "BC", True, "length")
+        finally:
+            if not finished:
+                self.closed.append(request_id)
+
+    async def abort(self, request_id: str) -> bool:
+        self.aborted.append(request_id)
+        event = self._release.get(request_id)
+        if event is not None:
+            event.set()
+        return event is not None
+
+    def update_tenant(self, name, weight, priority, tokens_per_minute):
+        if self.refuse_updates:
+            raise RuntimeError("controller unreachable")
+        self.tenant_updates.append((name, weight, priority, tokens_per_minute))
+
+    def check_health(self) -> bool:
+        return self.healthy
+
+
+TENANTS = [
+    {"name": "a", "api_key": "ka", "weight": 2, "priority": 3, "tokens_per_minute": 600},
+    {"name": "b", "api_key": "kb"},
+]
+
+
+@pytest.fixture(scope="module")
+def served():
+    loop = ServerLoop()
+    backend = ScriptedBackend()
+    app = create_app(backend, {"tenants": TENANTS, "admin_api_key": "adm"})
+    url = loop.serve(app)
+    with httpx.Client(base_url=url, timeout=30, headers={"Authorization": "Bearer ka"}) as c:
+        yield c, backend, app
+    loop.close()
+
+
+@pytest.fixture(autouse=True)
+def reset(served):
+    backend = served[1]
+    backend.mode, backend.healthy, backend.refuse_updates = "ok", True, False
+    yield
+    registry = served[2].state.registry
+    deadline = time.monotonic() + 10
+    while registry.total_in_flight and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert registry.total_in_flight == 0  # every test leaves no request behind
+
+
+def comp(**kw):
+    return {"model": MODEL, "prompt": "hello", "max_tokens": 4, **kw}
+
+
+def sse_events(text: str) -> list:
+    return [
+        line[6:] if line[6:] == "[DONE]" else json.loads(line[6:])
+        for line in text.splitlines()
+        if line.startswith("data: ")
+    ]
+
+
+def test_backend_receives_ids_params_tenant_and_priority(served):
+    c, backend, _ = served
+    r = c.post("/v1/completions", json=comp(temperature=0.5, seed=3, stop=["x"]))
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "ABC"
+    call = backend.calls[-1]
+    assert call["ids"] == backend.tokenizer.encode("hello")
+    assert (call["tenant"], call["priority"]) == ("a", 3)
+    assert call["rid"] == r.json()["id"]
+    p = call["params"]
+    assert (p.max_tokens, p.temperature, p.seed, p.stop) == (4, 0.5, 3, ["x"])
+    n = len(call["ids"])
+    assert r.json()["usage"] == {"prompt_tokens": n, "completion_tokens": 3, "total_tokens": n + 3}
+
+
+def test_tenants_pushed_at_startup(served):
+    backend = served[1]
+    assert ("a", 2.0, 3, 600.0) in backend.tenant_updates
+    assert ("b", 1.0, 0, None) in backend.tenant_updates
+    assert ("default", 1.0, 0, None) in backend.tenant_updates  # the anonymous tenant
+
+
+def test_backend_refusal_is_400(served):
+    c, backend, app = served
+    backend.mode = "refuse"
+    charged = app.state.registry.tenants["a"].tokens_charged
+    r = c.post("/v1/completions", json=comp())
+    assert r.status_code == 400 and "refuses" in r.json()["error"]["message"]
+    assert app.state.registry.tenants["a"].tokens_charged == charged  # the prompt is refunded
+
+
+@pytest.mark.parametrize("mode", ["fail_start", "fail_mid", "abort"])
+def test_backend_failure_is_503_not_500(served, mode):
+    c, backend, _ = served
+    backend.mode = mode
+    r = c.post("/v1/chat/completions", json=comp(messages=[{"role": "user", "content": "x"}]))
+    assert r.status_code == 503 and r.headers["retry-after"] == "1"
+    assert r.json()["error"]["code"] == "backend_unavailable"
+
+
+@pytest.mark.parametrize("mode", ["fail_mid", "abort"])
+def test_backend_failure_mid_stream_ends_with_an_error_event(served, mode):
+    c, backend, _ = served
+    backend.mode = mode
+    r = c.post("/v1/completions", json=comp(stream=True))
+    events = sse_events(r.text)
+    assert events[0]["choices"][0]["text"] == "A"
+    assert events[-2]["error"]["code"] == "backend_unavailable" and events[-1] == "[DONE]"
+
+
+def test_health_follows_the_backend(served):
+    c, backend, _ = served
+    assert c.get("/health").status_code == 200
+    backend.healthy = False
+    assert c.get("/health").status_code == 503
+
+
+def wait_until(pred, what: str) -> None:
+    deadline = time.monotonic() + 10
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_disconnect_closes_the_backend_stream(served, stream):
+    c, backend, _ = served
+    backend.mode = "hang"
+    n_calls = len(backend.calls)
+    url = str(c.base_url).rstrip("/")
+    host, port = url.removeprefix("http://").split(":")
+    body = json.dumps(comp(stream=stream)).encode()
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer kb\r\n"
+        b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    wait_until(lambda: len(backend.calls) > n_calls, "the request to reach the backend")
+    if stream:
+        assert b"data: " in sock.recv(65536)  # the first chunk came; then the backend hangs
+    sock.close()  # the client goes away
+    rid = backend.calls[-1]["rid"]
+    wait_until(lambda: rid in backend.closed, "the backend stream to be closed")
+
+
+def test_a_cancel_reaches_the_backend_and_ends_the_stream(served):
+    c, backend, app = served
+    backend.mode = "hang"
+
+    async def run() -> tuple[list, int, int]:
+        async with httpx.AsyncClient(base_url=str(c.base_url), timeout=10) as ac:
+            async with ac.stream("POST", "/v1/completions", json=comp(stream=True),
+                                 headers={"Authorization": "Bearer ka"}) as r:  # fmt: skip
+                lines = r.aiter_lines()
+                first = await asyncio.wait_for(anext(lines), 10)
+                rid = json.loads(first[6:])["id"]
+                other = await ac.delete(
+                    f"/v1/requests/{rid}", headers={"Authorization": "Bearer kb"}
+                )
+                mine = await ac.delete(
+                    f"/v1/requests/{rid}", headers={"Authorization": "Bearer ka"}
+                )
+                rest = [line async for line in lines]
+                return rest, other.status_code, mine.status_code
+
+    rest, other, mine = asyncio.run(asyncio.wait_for(run(), 20))
+    assert (other, mine) == (404, 200)
+    events = sse_events("\n".join(rest))
+    assert events[-2]["error"]["code"] == "request_cancelled" and events[-1] == "[DONE]"
+    assert backend.calls[-1]["rid"] in backend.aborted
+
+
+def test_admin_update_reaches_backend_or_is_rolled_back(served):
+    c, backend, app = served
+    admin = {"Authorization": "Bearer adm"}
+    r = c.patch("/admin/tenants/b", json={"weight": 5, "tokens_per_minute": 100}, headers=admin)
+    assert r.status_code == 200 and backend.tenant_updates[-1] == ("b", 5.0, 0, 100.0)
+    backend.refuse_updates = True
+    r = c.patch("/admin/tenants/b", json={"weight": 9}, headers=admin)
+    assert r.status_code == 502 and r.json()["error"]["type"] == "server_error"
+    state = app.state.registry.tenants["b"]
+    assert (state.weight, state.tokens_per_minute) == (5.0, 100.0)  # unchanged
+    backend.refuse_updates = False
+    assert c.patch("/admin/tenants/b", json={"extra": 1}, headers=admin).status_code == 400
+
+
+def test_an_app_built_before_its_backend_answers_503_until_bound():
+    loop = ServerLoop()
+    try:
+        app = create_app(None, {"tenants": TENANTS})
+        url = loop.serve(app)
+        with httpx.Client(base_url=url, timeout=10) as c:
+            assert c.get("/health").status_code == 503
+            r = c.post("/v1/completions", json=comp(), headers={"Authorization": "Bearer kb"})
+            assert r.status_code == 503 and r.headers["retry-after"] == "1"
+            assert r.json()["error"]["code"] == "backend_unavailable"
+            backend = ScriptedBackend()
+            loop.run(bind_backend(app, backend))
+            assert ("a", 2.0, 3, 600.0) in backend.tenant_updates
+            assert c.get("/health").status_code == 200
+            r = c.post("/v1/completions", json=comp(), headers={"Authorization": "Bearer kb"})
+            assert r.status_code == 200 and backend.calls[-1]["tenant"] == "b"
+    finally:
+        loop.close()
