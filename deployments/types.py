@@ -1,0 +1,88 @@
+"""Plain data that crosses actor boundaries: request metadata, stream items, replica reports.
+
+Everything here pickles (Ray ships it between processes) and imports neither torch nor ray.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from fairbatch.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class RequestMeta:
+    """One request as the client submits it (again, after a replica died)."""
+
+    request_id: str
+    prompt_ids: list[int]  # the original prompt, never extended
+    params: SamplingParams  # unchanged across resubmissions (seed, max_tokens, stops)
+    tenant: str = "default"
+    priority: int = 0
+    cache_salt: str | None = None
+    output_ids: list[int] = field(default_factory=list)  # already delivered to the caller
+    prefix_hashes: list[bytes] = field(default_factory=list)  # leading full blocks (affinity)
+    attempt: int = 0  # resubmissions so far (a replica died under it)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+
+@dataclass
+class StreamItem:
+    """What a replica's stream yields: new tokens of one request (one or more steps)."""
+
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    step: int = 0  # the replica's step count when the last of these tokens came out
+    replica_id: str = ""
+    error: str | None = None  # with finish_reason "error": what went wrong
+
+
+@dataclass
+class Moved:
+    """The last item of a stream whose request left for another replica: attach there."""
+
+    request_id: str
+    replica_id: str
+    replica: Any  # the destination's actor handle
+    migrated: Any  # ObjectRef of the MigratedRequest (K/V as numpy when it was swapped)
+
+
+@dataclass
+class Assignment:
+    """The controller's answer to admit(): where the request runs."""
+
+    request_id: str
+    replica_id: str
+    replica: Any  # actor handle
+
+
+@dataclass
+class ReplicaReport:
+    """A replica's periodic state, batched (one per report interval at most)."""
+
+    replica_id: str
+    seq: int  # increases by one per report sent; the controller ignores older ones
+    max_num_seqs: int  # running slots
+    free_blocks: int
+    total_blocks: int
+    block_size: int
+    num_waiting: int
+    num_running: int
+    num_swapped: int
+    num_steps: int
+    # tenant -> cumulative raw (prefill, decode) tokens charged on this replica since it
+    # started; cumulative, so a lost report or a restarted controller loses nothing
+    service: dict[str, tuple[int, int]]
+    # (request id, output tokens it ended with) for requests that left this replica since the
+    # last delivered report (finished, aborted, or moved away)
+    finished: list[tuple[str, int]]
+    # request id -> (tenant, priority, running, max_tokens, output tokens so far), all it holds
+    active: dict[str, tuple[str, int, bool, int, int]]
+    prefix_hashes: list[bytes] | None = None  # cached full-block hashes; None = unchanged
+    handle: Any = None  # the replica's own actor handle (registration, after restarts)
