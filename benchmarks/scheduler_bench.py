@@ -96,6 +96,7 @@ def run_one(
         "schedule_ms_median": round(med, 4),
         "schedule_ms_p99": round(p99, 4),
         "share_of_10ms_step_median": round(med / 10.0, 4),
+        "preemptions": dict(sched.num_preemptions),
     }
 
 

@@ -14,6 +14,9 @@ class SchedulerConfig:
     max_model_len: int = 4096  # context limit: prompt + generated tokens
     enable_chunked_prefill: bool = True  # a prompt may be split across steps
     preemption_mode: str = "auto"  # "auto" (cost model), "swap" or "recompute"
+    # A waiting request of strictly higher priority preempts a running one when seats or blocks
+    # are short. None = on exactly for the `priority` policy (under fcfs, arrival order rules).
+    priority_preemption: bool | None = None
     # Cost model for "auto": swap moves 2x the victim's K/V bytes (out and back in) over the
     # host link; recompute re-runs its computed tokens through prefill.
     kv_bytes_per_token: int = 2 * 4 * 4 * 64 * 4  # 2 (K,V) x layers x kv heads x head dim x dtype

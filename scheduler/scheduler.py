@@ -28,6 +28,11 @@ class Scheduler:
         self.config = config
         self.kv = kv_manager
         self.policy = policy  # the waiting queue and tenant accounting (policies.Policy)
+        self.priority_preemption = (
+            config.priority_preemption
+            if config.priority_preemption is not None
+            else getattr(policy, "name", "") == "priority"
+        )
         capacity = kv_manager.gpu_pool.num_blocks * kv_manager.block_size
         # A lone request must always fit, or it would preempt itself forever.
         self.max_model_len = min(config.max_model_len, capacity)
@@ -213,6 +218,8 @@ class Scheduler:
 
     def _preempt_lower(self, request: Request, out: SchedulerOutput) -> bool:
         """Make room for `request` by preempting a running request of strictly lower priority."""
+        if not self.priority_preemption:
+            return False
         victim = self.policy.pick_victim(self.running, below_priority=request.priority)
         if victim is None:
             return False
