@@ -1,0 +1,381 @@
+"""`fairbatch bench cluster`: the fairness controller at scale, on simulated replicas.
+
+Runs in one process, without Ray: N replicas are EngineCores on the simulated runner (virtual
+time, unpaced), and the controller is the very `FairnessCore` the Ray actor wraps. Ray itself
+would only add per-message transport, which is not what this measures and which two cores could
+not carry for 64 replicas. A discrete-event loop always advances the replica that is furthest
+behind in virtual time; replicas report every `report_interval_s` of virtual time, as the actor
+does in real time.
+
+Measured per (N, system):
+  * admissions_per_s: admissions / wall time spent inside the controller (submit, report and
+    dispatch calls): the rate one controller core could sustain.
+  * admit_latency_ms_p50/p99: wall time of the controller call that admitted a request (its
+    share of the control plane's latency; queueing for a turn is separate: queue_wait_s_*).
+  * jain_index over weighted service (service / weight per tenant, served after a warm-up of
+    `warmup_s` virtual seconds), and max_service_diff: the largest |service_i/w_i -
+    service_j/w_j| between tenants (all stay backlogged) over the window, sampled at every report,
+    against vtc_bound = 2 * max(input_weight * max prompt, output_weight * M), M = the tokens the
+    cluster's running batches can hold (Sheng et al., OSDI'24, Thm 4.3, the cluster as one
+    server).
+
+Systems: fairbatch (global weighted-fair queue over cluster-wide counters, least-loaded routing
+with prefix affinity), rr_local_wfq (tenant-blind round robin, per-replica weighted fair queues),
+p2c_fcfs (power-of-two-choices routing, per-replica FCFS).
+
+Workload: tenants with weights 1, 2, 3, 4 (and a fifth of weight 1 with 4x longer outputs), each
+closed-loop with enough requests outstanding to stay backlogged; submitted in a fixed repeating
+order, as a load balancer in front would see them.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import random
+import time
+from dataclasses import dataclass
+
+from fairbatch.deployments.fairness import Assign, ControllerConfig, FairnessCore, Migrate, Preempt
+from fairbatch.deployments.types import ReplicaReport, RequestMeta
+from fairbatch.engine import gpu_profiles
+from fairbatch.engine.core import EngineCore
+from fairbatch.engine.sampling_params import SamplingParams
+from fairbatch.engine.sim_runner import SimRunner
+from fairbatch.kv.manager import KVCacheManager
+from fairbatch.policies import TenantSpec, make_policy
+from fairbatch.scheduler import Scheduler, SchedulerConfig
+
+SYSTEMS = {
+    "fairbatch": (dict(routing="fair", policy="weighted_fair"), "weighted_fair"),
+    "rr_local_wfq": (dict(routing="round_robin", policy="weighted_fair"), "weighted_fair"),
+    "p2c_fcfs": (dict(routing="power_of_two", policy="fcfs"), "fcfs"),
+}
+
+
+@dataclass
+class Workload:
+    tenants: tuple[tuple[str, float, int, int], ...] = (  # name, weight, prompt, max_tokens
+        ("t1", 1.0, 64, 64),
+        ("t2", 2.0, 64, 64),
+        ("t3", 3.0, 64, 64),
+        ("t4", 4.0, 64, 64),
+        ("long", 1.0, 64, 256),
+    )
+    # each tenant alone keeps this x the cluster's slots (seats + local queues) in flight, so
+    # every tenant stays backlogged whatever its weight
+    outstanding_per_slot: float = 1.25
+    duration_s: float = 12.0  # virtual seconds simulated
+    # service is measured after this: longer than the longest request (~2.6 s), so work
+    # admitted in the start-up burst (before any queue formed) is not counted
+    warmup_s: float = 3.0
+    max_num_seqs: int = 16
+    num_gpu_blocks: int = 2048
+    block_size: int = 16
+    report_interval_s: float = 0.02
+    seed: int = 0
+
+
+class SimReplica:
+    def __init__(self, replica_id: str, wl: Workload, policy: str, specs) -> None:
+        shape = gpu_profiles.llama3_8b()
+        self.replica_id = replica_id
+        self.runner = SimRunner(shape, "H100", vocab_size=32000, block_size=wl.block_size)
+        cfg = SchedulerConfig(
+            max_num_seqs=wl.max_num_seqs,
+            max_num_batched_tokens=2048,
+            kv_bytes_per_token=shape.kv_bytes_per_token,
+        )
+        kv = KVCacheManager(wl.num_gpu_blocks, wl.block_size, 512)
+        self.core = EngineCore(Scheduler(cfg, kv, make_policy(policy, specs)), self.runner)
+        self.ledger: dict[str, list[int]] = {}
+        policy_obj = self.core.scheduler.policy
+        charge = policy_obj.charge
+
+        def recorded(tenant: str, prefill: int, decode: int) -> None:
+            charge(tenant, prefill, decode)
+            row = self.ledger.setdefault(tenant, [0, 0])
+            row[0] += prefill
+            row[1] += decode
+
+        policy_obj.charge = recorded
+        self.finished: list[tuple[str, int]] = []
+        self.seq = 0
+        self.next_report = 0.0
+
+    def report(self) -> ReplicaReport:
+        s = self.core.scheduler
+        self.seq += 1
+        running = {r.request_id for r in s.running}
+        rep = ReplicaReport(
+            replica_id=self.replica_id,
+            seq=self.seq,
+            max_num_seqs=s.config.max_num_seqs,
+            free_blocks=s.kv.num_free_blocks,
+            total_blocks=s.kv.gpu_pool.num_blocks,
+            block_size=s.kv.block_size,
+            num_waiting=s.num_waiting,
+            num_running=len(s.running),
+            num_swapped=len(s.swapped),
+            num_steps=self.runner.num_steps,
+            service={t: (v[0], v[1]) for t, v in self.ledger.items()},
+            finished=self.finished,
+            active={
+                rid: (r.tenant, r.priority, rid in running, r.max_tokens, r.num_output_tokens)
+                for rid, r in s.requests.items()
+            },
+        )
+        self.finished = []
+        return rep
+
+
+def run_one(num_replicas: int, system: str, wl: Workload) -> dict:
+    ctrl_kw, local_policy = SYSTEMS[system]
+    specs = [TenantSpec(name, weight=w) for name, w, _, _ in wl.tenants]
+    core = FairnessCore(ControllerConfig(tenants=specs, **ctrl_kw), rng=random.Random(wl.seed))
+    replicas = {f"r{i}": SimReplica(f"r{i}", wl, local_policy, specs) for i in range(num_replicas)}
+    shape = {name: (p, m) for name, _, p, m in wl.tenants}
+    weights = {name: w for name, w, _, _ in wl.tenants}
+    rng = random.Random(wl.seed)
+    ctrl_time = 0.0
+    admit_lat: list[float] = []
+    queue_wait: list[float] = []
+    submitted_at: dict[str, float] = {}
+    tenant_of: dict[str, str] = {}
+    out_len: dict[str, int] = {}
+    ids = iter(range(1 << 62))
+    now = 0.0
+
+    def apply(actions: list, call_wall: float) -> None:
+        for a in actions:
+            if isinstance(a, Assign):
+                t = a.ticket
+                meta = t.meta
+                rep = replicas[a.replica_id]
+                rep.core.add_request(
+                    meta.prompt_ids,
+                    meta.params,
+                    request_id=t.request_id,
+                    tenant=t.tenant,
+                    priority=t.priority,
+                )
+                rep.runner.idle_until(now)
+                admit_lat.append(call_wall)
+                queue_wait.append(now - submitted_at.pop(t.request_id))
+            elif isinstance(a, Preempt):
+                replicas[a.replica_id].core.preempt(a.request_id, a.mode)
+            elif isinstance(a, Migrate):
+                src, dst = replicas[a.src], replicas[a.dst]
+                req = src.core.scheduler.requests.get(a.request_id)
+                if req is not None and req.status.name != "RUNNING":
+                    dst.core.import_request(src.core.export_request(a.request_id))
+
+    def submit(tenant: str) -> None:
+        nonlocal ctrl_time
+        rid = f"q{next(ids)}"
+        p, m = shape[tenant]
+        prompt = [rng.randrange(1, 32000) for _ in range(p)]
+        meta = RequestMeta(rid, prompt, SamplingParams(max_tokens=m, ignore_eos=True), tenant)
+        submitted_at[rid] = now
+        tenant_of[rid] = tenant
+        t0 = time.perf_counter()
+        actions = core.submit(meta)
+        dt = time.perf_counter() - t0
+        ctrl_time += dt
+        apply(actions, dt)
+
+    for r in replicas.values():  # every replica registers before the first request
+        core.report(r.report())
+    seats = num_replicas * wl.max_num_seqs
+    slots = num_replicas * (wl.max_num_seqs + ControllerConfig().local_queue)
+    per_tenant = int(wl.outstanding_per_slot * slots) + 1
+    order = [name for name, *_ in wl.tenants for _ in range(per_tenant)]
+    # interleave: t1, t2, ..., t1, t2, ... (a fixed repeating arrival order)
+    order = sorted(order, key=lambda n: [x[0] for x in wl.tenants].index(n))
+    order = [order[j * per_tenant + i] for i in range(per_tenant) for j in range(len(wl.tenants))]
+    for name in order:
+        submit(name)
+
+    heap = [(0.0, i, r) for i, r in enumerate(replicas.values())]
+    max_diff = 0.0
+    start_service: dict[str, float] | None = None
+    warmup = min(wl.warmup_s, wl.duration_s / 2)
+    while heap:
+        clock, i, r = heapq.heappop(heap)
+        now = clock
+        if now > wl.duration_s:
+            break
+        if now >= r.next_report:
+            r.next_report = now + wl.report_interval_s
+            rep = r.report()
+            t0 = time.perf_counter()
+            actions = core.report(rep)
+            dt = time.perf_counter() - t0
+            ctrl_time += dt
+            apply(actions, dt)
+            if now >= warmup:
+                svc = service(replicas)
+                if start_service is None:
+                    start_service = svc
+                norm = [(svc.get(n, 0) - start_service.get(n, 0)) / weights[n] for n in weights]
+                max_diff = max(max_diff, max(norm) - min(norm))
+        if r.core.has_unfinished():
+            for d in r.core.step():
+                out_len[d.request_id] = out_len.get(d.request_id, 0) + len(d.token_ids)
+                if d.finished:
+                    r.finished.append((d.request_id, out_len.pop(d.request_id, 0)))
+                    submit(tenant_of.pop(d.request_id))
+            heapq.heappush(heap, (max(r.runner.clock, now + 1e-6), i, r))
+        else:
+            r.runner.idle_until(now + wl.report_interval_s)
+            heapq.heappush(heap, (r.runner.clock, i, r))
+    svc = service(replicas)
+    base = start_service or {}
+    norm = [max(0.0, svc.get(n, 0) - base.get(n, 0)) / weights[n] for n in weights]
+    jain = sum(norm) ** 2 / (len(norm) * sum(x * x for x in norm)) if any(norm) else 0.0
+    max_prompt = max(p for _, _, p, _ in wl.tenants)
+    max_len = max(p + m for _, _, p, m in wl.tenants)
+    m_tokens = seats * max_len
+    bound = 2 * max(1.0 * max_prompt, 2.0 * m_tokens)
+    admissions = len(admit_lat)
+    return {
+        "replicas": num_replicas,
+        "system": system,
+        "admissions": admissions,
+        "admissions_per_s": admissions / ctrl_time if ctrl_time else 0.0,
+        "admit_latency_ms_p50": 1e3 * pct(admit_lat, 50),
+        "admit_latency_ms_p99": 1e3 * pct(admit_lat, 99),
+        "queue_wait_s_p50": pct(queue_wait, 50),
+        "queue_wait_s_p99": pct(queue_wait, 99),
+        "jain_index": jain,
+        "max_service_diff": max_diff,
+        "vtc_bound": bound,
+        "weighted_service": {n: round(x, 1) for n, x in zip(weights, norm)},
+        "virtual_s": wl.duration_s,
+    }
+
+
+def service(replicas: dict) -> dict[str, float]:
+    total: dict[str, float] = {}
+    for r in replicas.values():
+        for t, v in r.core.scheduler.policy.service().items():
+            total[t] = total.get(t, 0.0) + v
+    return total
+
+
+def pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return 0.0
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+
+
+def ray_admissions(num_replicas: int = 4, sizes: tuple[int, ...] = (1000, 4000)) -> list[dict]:
+    """The same controller as a Ray actor: admissions/s through one `admit` call per request
+    and through batches (`submit_many` + the `assignments` stream), with sim replicas that have
+    room for every request (no streams are opened: this is the control plane alone)."""
+    import asyncio
+    import os
+    import tempfile
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    import ray
+
+    from fairbatch.deployments.client import AdmissionBatcher
+    from fairbatch.deployments.cluster import start_cluster
+    from fairbatch.deployments.replica import ReplicaConfig
+
+    tmp = tempfile.mkdtemp(prefix="fbbench-")
+    ray.init(
+        num_cpus=2,
+        num_gpus=num_replicas,
+        include_dashboard=False,
+        _temp_dir=tmp,
+        log_to_driver=False,
+        configure_logging=False,
+    )
+    rows = []
+    try:
+        # room for every request of every run (none is ever streamed, so none ends): admission
+        # never waits for a slot
+        seats = 2 * sum(sizes) + num_replicas
+        cfg = ReplicaConfig(max_num_seqs=seats // num_replicas, num_gpu_blocks=4096)
+        cluster = start_cluster("bench", [cfg] * num_replicas)
+        params = SamplingParams(max_tokens=1, ignore_eos=True)
+
+        async def run(n: int, batched: bool) -> dict:
+            metas = [
+                RequestMeta(f"{batched}-{n}-{i}", [1] * 16, params, "ab"[i % 2]) for i in range(n)
+            ]
+            lat: list[float] = []
+            batcher = AdmissionBatcher(lambda: cluster.controller) if batched else None
+
+            async def one(meta: RequestMeta) -> None:
+                t0 = time.perf_counter()
+                if batcher is not None:
+                    await batcher.admit(meta, 120.0)
+                else:
+                    await cluster.controller.admit.remote(meta)
+                lat.append(time.perf_counter() - t0)
+
+            t0 = time.perf_counter()
+            await asyncio.gather(*(one(m) for m in metas))
+            wall = time.perf_counter() - t0
+            return {
+                "replicas": num_replicas,
+                "system": "fairbatch_ray_batched" if batched else "fairbatch_ray_admit",
+                "admissions": n,
+                "admissions_per_s": n / wall,
+                "admit_latency_ms_p50": 1e3 * pct(lat, 50),
+                "admit_latency_ms_p99": 1e3 * pct(lat, 99),
+                "note": f"{n} requests submitted at once; latency includes waiting behind them",
+            }
+
+        for batched in (False, True):
+            for n in sizes:
+                rows.append(asyncio.run(run(n, batched)))
+                r = rows[-1]
+                print(
+                    f"ray N={num_replicas} {r['system']:22s} n={n:5d} "
+                    f"adm/s={r['admissions_per_s']:7.0f} p50={r['admit_latency_ms_p50']:.1f}ms "
+                    f"p99={r['admit_latency_ms_p99']:.1f}ms",
+                    flush=True,
+                )
+        cluster.shutdown()
+    finally:
+        ray.shutdown()
+    return rows
+
+
+def main(
+    json_path: str | None,
+    replicas: list[int] = (4, 16, 64),
+    systems: list[str] | None = None,
+    duration_s: float = 12.0,
+    with_ray: bool = False,
+) -> list[dict]:
+    rows = []
+    for n in replicas:
+        for system in systems or list(SYSTEMS):
+            t0 = time.perf_counter()
+            row = run_one(n, system, Workload(duration_s=duration_s))
+            row["wall_s"] = round(time.perf_counter() - t0, 2)
+            rows.append(row)
+            print(
+                f"N={n:3d} {system:13s} adm/s={row['admissions_per_s']:9.0f} "
+                f"p50={row['admit_latency_ms_p50']:.3f}ms p99={row['admit_latency_ms_p99']:.3f}ms "
+                f"jain={row['jain_index']:.4f} diff={row['max_service_diff']:.0f} "
+                f"bound={row['vtc_bound']:.0f} wall={row['wall_s']}s",
+                flush=True,
+            )
+    if with_ray:
+        rows.extend(ray_admissions())
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(rows, f, indent=2)
+    return rows
+
+
+if __name__ == "__main__":
+    main(None, replicas=[4], duration_s=6.0)

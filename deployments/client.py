@@ -1,0 +1,292 @@
+"""The client side of the cluster, used by the ingress and by Python callers.
+
+`ClusterClient.generate(...)` asks the controller for a turn (`admit`), then streams straight
+from the assigned replica. It follows the request wherever it goes:
+  * a `Moved` item (migration): re-attach to the destination replica's `resume` stream;
+  * the replica dies mid-stream: tell the controller, and resubmit prompt + the tokens already
+    delivered (same request id, same params) so the caller sees no gap and no repeat;
+  * the controller is restarting: Ray retries `admit` (idempotent per request id) and the
+    client retries on errors until `admit_timeout_s`.
+Every stream ends with a finished item: tokens, or finish_reason "error". Nothing waits forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import ray
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
+
+from fairbatch.deployments.types import Assignment, Moved, RequestMeta, StreamItem
+from fairbatch.engine.sampling_params import SamplingParams
+from fairbatch.kv.block_pool import hash_block
+
+log = logging.getLogger(__name__)
+
+AFFINITY_BLOCKS = 8  # leading prompt blocks hashed for prefix affinity
+
+
+class ClusterClient:
+    def __init__(
+        self,
+        controller: Any,
+        *,
+        block_size: int = 16,
+        admit_timeout_s: float = 120.0,
+        item_timeout_s: float = 120.0,
+        max_resubmits: int = 8,
+        batch_admissions: bool = True,
+    ) -> None:
+        self.controller = controller  # actor handle, or its name
+        self.block_size = block_size
+        self.admit_timeout_s = admit_timeout_s
+        self.item_timeout_s = item_timeout_s
+        self.max_resubmits = max_resubmits
+        self.batch_admissions = batch_admissions  # one call per batch instead of per request
+        self._batcher: AdmissionBatcher | None = None
+
+    def _controller(self) -> Any:
+        if isinstance(self.controller, str):
+            self.controller = ray.get_actor(self.controller)
+        return self.controller
+
+    def prefix_hashes(self, prompt_ids: list[int], salt: str) -> list[bytes]:
+        bs = self.block_size
+        hashes: list[bytes] = []
+        parent = None
+        for i in range(min(len(prompt_ids) // bs, AFFINITY_BLOCKS)):
+            parent = hash_block(parent, prompt_ids[i * bs : (i + 1) * bs], salt)
+            hashes.append(parent)
+        return hashes
+
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams | None = None,
+        *,
+        tenant: str = "default",
+        priority: int = 0,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+        on_assign: Callable[[Assignment], Any] | None = None,
+    ) -> AsyncIterator[StreamItem]:
+        """Stream the request's items. `on_assign` is called with each assignment the
+        controller makes for it (once, plus once per resubmission)."""
+        params = params or SamplingParams()
+        meta = RequestMeta(
+            request_id or uuid.uuid4().hex,
+            list(prompt_ids),
+            params,
+            tenant=tenant,
+            priority=priority,
+            cache_salt=cache_salt,
+            prefix_hashes=self.prefix_hashes(list(prompt_ids), cache_salt or tenant),
+        )
+        delivered: list[int] = []
+        resubmits = 0
+        finished = False
+        replica_id, handle = "", None
+        try:
+            while True:
+                try:
+                    assignment = await self._admit(meta)
+                except Exception as e:
+                    log.warning("admit %s failed: %r", meta.request_id, e)
+                    await self._abandon(meta.request_id, None)
+                    finished = True
+                    yield StreamItem([], "", True, "error", error=f"admission failed: {e!r}")
+                    return
+                replica_id, handle = assignment.replica_id, assignment.replica
+                if on_assign is not None:
+                    on_assign(assignment)
+                gen = handle.generate.options(num_returns="streaming").remote(meta)
+                try:
+                    while True:
+                        item = await self._next(gen)
+                        if item is None:  # the stream ended without a finished item
+                            raise RayActorError()
+                        if isinstance(item, Moved):
+                            replica_id, handle = item.replica_id, item.replica
+                            gen = handle.resume.options(num_returns="streaming").remote(
+                                item.migrated
+                            )
+                            continue
+                        delivered.extend(item.token_ids)
+                        if item.finished:
+                            finished = True
+                        yield item
+                        if finished:
+                            return
+                except (ActorDiedError, RayActorError, ActorUnavailableError) as e:
+                    resubmits += 1
+                    log.info("replica %s lost %s: %r", replica_id, meta.request_id, e)
+                    if resubmits > self.max_resubmits:
+                        finished = True
+                        yield StreamItem([], "", True, "error", error=f"gave up: {e!r}")
+                        return
+                    await self._report_failure(replica_id)
+                    meta.output_ids = list(delivered)
+                    meta.attempt += 1
+                except (RayTaskError, asyncio.TimeoutError) as e:  # a bad request, or a stall
+                    await self._abandon(meta.request_id, handle)
+                    finished = True
+                    yield StreamItem([], "", True, "error", replica_id=replica_id, error=repr(e))
+                    return
+        finally:
+            if not finished:  # the caller went away: free the request wherever it is
+                await self._abandon(meta.request_id, handle)
+
+    async def _next(self, gen) -> Any:
+        try:
+            ref = await asyncio.wait_for(gen.__anext__(), timeout=self.item_timeout_s)
+        except StopAsyncIteration:
+            return None
+        return await asyncio.wait_for(ref, timeout=self.item_timeout_s)
+
+    async def _admit(self, meta: RequestMeta):
+        if self.batch_admissions:
+            loop = asyncio.get_running_loop()
+            if self._batcher is None or self._batcher.loop is not loop:
+                self._batcher = AdmissionBatcher(self._controller)
+            return await self._batcher.admit(meta, self.admit_timeout_s)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.admit_timeout_s
+        delay = 0.05
+        while True:
+            left = deadline - loop.time()
+            if left <= 0:
+                raise TimeoutError(f"no replica admitted {meta.request_id} in time")
+            try:
+                ref = self._controller().admit.remote(meta)
+                return await asyncio.wait_for(ref, timeout=left)
+            except (RayActorError, ActorUnavailableError) as e:  # restarting: try again
+                log.info("controller unavailable (%r); retrying", e)
+                await asyncio.sleep(delay)
+                delay = min(1.0, delay * 2)
+
+    async def _report_failure(self, replica_id: str) -> None:
+        try:
+            await asyncio.wait_for(
+                self._controller().replica_failed.remote(replica_id), timeout=15.0
+            )
+        except Exception as e:  # the resubmission goes ahead anyway
+            log.info("replica_failed(%s) not delivered: %r", replica_id, e)
+
+    async def _abandon(self, request_id: str, handle: Any) -> None:
+        try:
+            self._controller().cancel.remote(request_id)
+            if handle is not None:
+                handle.abort.remote(request_id)
+        except Exception:
+            pass
+
+
+class AdmissionBatcher:
+    """Admissions for one client process and event loop, batched: requests queued within
+    `linger_s` go to the controller in one `submit_many` call, and assignments come back on one
+    long-lived `assignments` stream. After any error on that stream (the controller restarted)
+    it re-subscribes under a new id and resubmits everything still pending: `submit_many` is
+    idempotent per request id and re-sends the assignment of a request already placed."""
+
+    def __init__(self, controller: Callable[[], Any], max_batch: int = 512, linger_s=0.001):
+        self.controller = controller
+        self.max_batch = max_batch
+        self.linger_s = linger_s
+        self.loop = asyncio.get_running_loop()
+        self.base_id = uuid.uuid4().hex
+        self.generation = 0
+        self.pending: dict[str, tuple[RequestMeta, asyncio.Future]] = {}
+        self.outbox: list[RequestMeta] = []
+        self.kick = asyncio.Event()
+        self.subscribed = asyncio.Event()
+        self.flusher = self.loop.create_task(self._flush_loop())
+        self.reader = self.loop.create_task(self._read_loop())
+
+    @property
+    def subscriber(self) -> str:
+        return f"{self.base_id}.{self.generation}"
+
+    async def admit(self, meta: RequestMeta, timeout_s: float):
+        fut = self.loop.create_future()
+        self.pending[meta.request_id] = (meta, fut)
+        self.outbox.append(meta)
+        self.kick.set()
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), timeout_s)
+        finally:
+            self.pending.pop(meta.request_id, None)
+
+    async def _flush_loop(self) -> None:
+        delay = 0.05
+        while True:
+            await self.kick.wait()
+            await asyncio.sleep(self.linger_s)  # let a burst gather into one call
+            await self.subscribed.wait()  # assignments need a stream to come back on
+            self.kick.clear()
+            batch, self.outbox = self.outbox[: self.max_batch], self.outbox[self.max_batch :]
+            if self.outbox:
+                self.kick.set()
+            batch = [m for m in batch if m.request_id in self.pending]  # not timed out
+            if not batch:
+                continue
+            try:
+                ref = self.controller().submit_many.remote(self.subscriber, batch)
+                await asyncio.wait_for(ref, timeout=30.0)
+                delay = 0.05
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # restarting: try again shortly
+                log.info("submit_many failed (%r); retrying", e)
+                self.outbox[:0] = batch
+                self.kick.set()
+                await asyncio.sleep(delay)
+                delay = min(1.0, delay * 2)
+
+    async def _read_loop(self) -> None:
+        delay = 0.05
+        while True:
+            gen = (
+                self.controller()
+                .assignments.options(num_returns="streaming")
+                .remote(self.subscriber)
+            )
+            self.subscribed.set()
+            try:
+                async for ref in gen:
+                    delay = 0.05
+                    for a in await ref:
+                        entry = self.pending.get(a.request_id)
+                        if entry is not None and not entry[1].done():
+                            entry[1].set_result(a)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                log.info("assignment stream broke (%r); re-subscribing", e)
+            # A new subscriber id, so a stale stream can never take our items; then resubmit
+            # what is still waiting (already placed ones get their assignment re-sent).
+            self.subscribed.clear()
+            self.generation += 1
+            await asyncio.sleep(delay)
+            delay = min(1.0, delay * 2)
+            queued = {m.request_id for m in self.outbox}
+            self.outbox.extend(m for rid, (m, _) in self.pending.items() if rid not in queued)
+            self.kick.set()
+
+
+async def collect(client: ClusterClient, prompt_ids: list[int], params, **kw) -> dict:
+    """Run one request to the end; its tokens, the items and the replicas that served it."""
+    tokens: list[int] = []
+    items: list[StreamItem] = []
+    async for item in client.generate(prompt_ids, params, **kw):
+        tokens.extend(item.token_ids)
+        items.append(item)
+    return {
+        "tokens": tokens,
+        "items": items,
+        "finish_reason": items[-1].finish_reason if items else None,
+        "replicas": list(dict.fromkeys(i.replica_id for i in items if i.replica_id)),
+    }

@@ -1,0 +1,188 @@
+"""FairnessCore, the controller's logic, driven by hand-made reports (no Ray, no engine)."""
+
+from __future__ import annotations
+
+from fairbatch.deployments.fairness import (
+    Assign,
+    ControllerConfig,
+    FairnessCore,
+    Migrate,
+    Preempt,
+)
+from fairbatch.deployments.types import ReplicaReport, RequestMeta
+from fairbatch.engine.sampling_params import SamplingParams
+from fairbatch.policies import TenantSpec
+
+
+def meta(rid: str, tenant: str = "a", priority: int = 0, n: int = 10, hashes=()) -> RequestMeta:
+    return RequestMeta(
+        rid,
+        list(range(1, n + 1)),
+        SamplingParams(max_tokens=n, ignore_eos=True),
+        tenant=tenant,
+        priority=priority,
+        prefix_hashes=list(hashes),
+    )
+
+
+class Reporter:
+    """Builds consecutive reports for one replica."""
+
+    def __init__(self, replica_id: str, seats: int = 1) -> None:
+        self.replica_id, self.seats, self.seq = replica_id, seats, 0
+
+    def __call__(self, finished=(), active=None, service=None, hashes=None) -> ReplicaReport:
+        self.seq += 1
+        return ReplicaReport(
+            replica_id=self.replica_id,
+            seq=self.seq,
+            max_num_seqs=self.seats,
+            free_blocks=100,
+            total_blocks=100,
+            block_size=16,
+            num_waiting=0,
+            num_running=0,
+            num_swapped=0,
+            num_steps=0,
+            service=service or {},
+            finished=list(finished),
+            active=active or {},
+            prefix_hashes=hashes,
+        )
+
+
+def assigned(actions) -> list[tuple[str, str]]:
+    return [(a.ticket.request_id, a.replica_id) for a in actions if isinstance(a, Assign)]
+
+
+def test_least_loaded_then_queue_until_a_slot_frees():
+    core = FairnessCore(ControllerConfig(local_queue=1))
+    reps = {r: Reporter(r, seats=2) for r in ("r0", "r1", "r2")}
+    for rep in reps.values():
+        core.report(rep())
+    got = []
+    for i in range(10):
+        got += assigned(core.submit(meta(f"q{i}")))
+    per = {r: sum(1 for _, x in got if x == r) for r in reps}
+    assert per == {"r0": 3, "r1": 3, "r2": 3}  # 2 seats + 1 local queue each
+    assert core.stats()["queued"] == 1
+    first_on_r1 = next(rid for rid, r in got if r == "r1")
+    actions = core.report(reps["r1"](finished=[(first_on_r1, 10)]))
+    assert assigned(actions) == [("q9", "r1")]
+
+
+def test_global_order_is_weighted_fair_over_cluster_counters():
+    core = FairnessCore(
+        ControllerConfig(tenants=[TenantSpec("a", 3.0), TenantSpec("b", 1.0)], local_queue=0)
+    )
+    for i in range(16):  # queued before any replica exists
+        core.submit(meta(f"{'ab'[i % 2]}{i}", tenant="ab"[i % 2]))
+    rep = Reporter("r0", seats=1)
+    order = assigned(core.report(rep()))
+    while len(order) < 8:
+        order += assigned(core.report(rep(finished=[(order[-1][0], 10)])))
+    tenants = [rid[0] for rid, _ in order]
+    # each admission prepays 10 prompt + 2 x 10 output = 30: a's counter moves 10, b's 30
+    assert tenants.count("a") == 6 and tenants[:2] == ["a", "b"]
+
+
+def test_refund_of_unused_output_on_finish():
+    core = FairnessCore(ControllerConfig())
+    rep = Reporter("r0", seats=4)
+    core.report(rep())
+    core.submit(RequestMeta("x", [1] * 8, SamplingParams(max_tokens=100), tenant="t"))
+    assert core.counters()["t"] == 8 + 2 * 100  # prepaid
+    core.report(rep(finished=[("x", 10)]))  # stopped early after 10 tokens
+    assert core.counters()["t"] == 8 + 2 * 10
+
+
+def test_prefix_affinity_beats_load():
+    core = FairnessCore(ControllerConfig())
+    r0, r1 = Reporter("r0", seats=4), Reporter("r1", seats=4)
+    core.report(r0())
+    core.report(r1(hashes=[b"h1", b"h2"]))
+    assert assigned(core.submit(meta("busy")))[0][1] == "r0"  # least loaded: a tie, r0 first
+    assert assigned(core.submit(meta("x", hashes=[b"h1", b"h2"]))) == [("x", "r1")]
+    assert assigned(core.submit(meta("y", hashes=[b"zz"]))) == [("y", "r0")]
+
+
+def test_coordinated_preemption_picks_the_cluster_wide_victim():
+    tenants = [TenantSpec("light"), TenantSpec("heavy")]
+    core = FairnessCore(ControllerConfig(tenants=tenants, local_queue=0))
+    r0, r1 = Reporter("r0"), Reporter("r1")
+    core.report(r0())
+    core.report(r1())
+    core.submit(meta("L", tenant="light"))  # -> r0
+    core.submit(meta("H", tenant="heavy", n=50))  # -> r1, a bigger counter
+    core.report(r0(active={"L": ("light", 0, True, 10, 1)}))
+    core.report(r1(active={"H": ("heavy", 0, True, 50, 1)}))
+    actions = core.submit(meta("vip", tenant="light", priority=5))
+    assert [a for a in actions if isinstance(a, Preempt)] == [Preempt("r1", "H", "auto")]
+    assert assigned(actions) == [("vip", "r1")]
+    # an equal-priority request never preempts
+    assert core.submit(meta("same", tenant="light")) == []
+    # a slot frees on r0: the displaced request moves there before the queue is served
+    actions = core.report(r0(finished=[("L", 10)]))
+    assert [a for a in actions if isinstance(a, Migrate)] == [Migrate("H", "r1", "r0")]
+
+
+def test_restarted_controller_rebuilds_from_reports():
+    core = FairnessCore(ControllerConfig(tenants=[TenantSpec("a", 2.0)], local_queue=0))
+    rep = Reporter("r0", seats=2)
+    active = {"q1": ("a", 0, True, 10, 4), "q2": ("a", 0, True, 10, 0)}
+    core.report(rep(active=active, service={"a": (20, 4)}))
+    assert core.stats()["assigned"] == {"r0": 2}
+    # served so far (20 + 2 x 4) plus the remaining output prepaid (2 x (6 + 10)), weight 2
+    assert core.counters()["a"] == (20 + 8 + 32) / 2
+    assert core.submit(meta("q3", tenant="a")) == []  # both seats taken: it waits
+    assert assigned(core.report(rep(finished=[("q1", 10)]))) == [("q3", "r0")]
+
+
+def test_dead_replica_is_dropped_and_its_requests_orphaned():
+    core = FairnessCore(ControllerConfig(local_queue=0))
+    r0, r1 = Reporter("r0"), Reporter("r1")
+    core.report(r0())
+    core.report(r1())
+    core.submit(meta("a"))
+    core.submit(meta("b"))
+    orphans = core.remove_replica("r0")
+    assert [t.request_id for t in orphans] == ["a"]
+    resubmit = meta("a")
+    resubmit.output_ids, resubmit.attempt = [5, 6], 1
+    counters = core.counters()
+    assert core.submit(resubmit) == []  # r1 is full: queued
+    assert core.counters() == counters  # a resubmission is not charged twice
+    assert assigned(core.report(r1(finished=[("b", 10)]))) == [("a", "r1")]
+
+
+def test_round_robin_and_power_of_two_route_at_once():
+    for routing in ("round_robin", "power_of_two"):
+        core = FairnessCore(ControllerConfig(routing=routing, policy="fcfs"))
+        for r in ("r0", "r1", "r2"):
+            core.report(Reporter(r, seats=1)())
+        got = []
+        for i in range(9):
+            got += assigned(core.submit(meta(f"q{i}")))
+        assert len(got) == 9  # no global queue, no slot limit
+        if routing == "round_robin":
+            assert [r for _, r in got] == ["r1", "r2", "r0"] * 3
+
+
+def test_cancel_queued_and_unseen_refunds_but_held_waits_for_the_report():
+    core = FairnessCore(ControllerConfig(local_queue=0))
+    rep = Reporter("r0", seats=2)
+    core.report(rep())
+    core.submit(meta("held", tenant="t"))
+    core.submit(meta("unseen", tenant="t"))
+    core.submit(meta("queued", tenant="t"))
+    core.report(rep(active={"held": ("t", 0, True, 10, 3)}))
+    prepaid = core.counters()["t"]
+    assert prepaid == 2 * (10 + 2 * 10)  # two admitted, one queued (not charged)
+    core.cancel("queued")
+    core.cancel("unseen")  # its client never attached: slot, prompt and output come back
+    assert core.counters()["t"] == prepaid - (10 + 2 * 10)
+    core.cancel("held")  # still on its replica: nothing changes until the replica reports
+    assert core.stats()["assigned"] == {"r0": 1}
+    core.report(rep(finished=[("held", 3)]))
+    assert core.counters()["t"] == (10 + 2 * 3)
+    assert core.stats()["assigned"] == {"r0": 0} and core.stats()["queued"] == 0

@@ -1,0 +1,125 @@
+"""The cluster on two replicas running the tiny Llama (CPU, float32): migration with K/V through
+the object store and a replica's death, checked token for token (and text) against undisturbed
+runs on the same cluster - greedy, and seeded sampling, which is keyed on the output index.
+
+Order matters: the last test kills a replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import ray
+
+from fairbatch.deployments.client import ClusterClient, collect
+from fairbatch.deployments.cluster import start_cluster
+from fairbatch.deployments.fairness import ControllerConfig
+from fairbatch.deployments.replica import ReplicaConfig
+from fairbatch.engine.sampling_params import SamplingParams
+
+CLUSTERS: list = []
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_starter):
+    ray_starter(num_gpus=2)
+    cfg = ReplicaConfig(
+        engine="tiny",
+        num_gpu_blocks=64,
+        num_cpu_blocks=64,
+        max_num_seqs=4,
+        max_num_batched_tokens=256,
+        max_model_len=512,
+    )
+    c = start_cluster("tiny", [cfg, cfg], ControllerConfig())
+    CLUSTERS.append(c)
+    yield c
+    c.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def pools_all_free(replica_check):
+    yield
+    replica_check(CLUSTERS)
+
+
+def prompt(i: int) -> list[int]:
+    return [(i * 37 + j * 11) % 2000 + 10 for j in range(24)]
+
+
+GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=40, temperature=1.0, seed=11, ignore_eos=True)
+
+
+def text(result: dict) -> str:
+    return "".join(item.text for item in result["items"])
+
+
+async def migrate_after(c, p: list[int], params: SamplingParams, n: int) -> tuple[dict, str]:
+    client = ClusterClient(c.controller, item_timeout_s=60)
+    items, dst = [], None
+    rid = f"mig-{params.seed}-{p[0]}"
+    async for item in client.generate(p, params, request_id=rid):
+        items.append(item)
+        if dst is None and sum(len(i.token_ids) for i in items) >= n:
+            dst = await c.controller.migrate.remote(rid)
+    tokens = [t for i in items for t in i.token_ids]
+    replicas = list(dict.fromkeys(i.replica_id for i in items))
+    return {"tokens": tokens, "items": items, "replicas": replicas}, dst
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_migration_with_kv_matches_undisturbed(cluster, params):
+    client = ClusterClient(cluster.controller, item_timeout_s=60)
+    ref = asyncio.run(collect(client, prompt(1), params))
+    moved, dst = asyncio.run(migrate_after(cluster, prompt(1), params, 12))
+    assert dst is not None and moved["replicas"][-1] == dst and len(moved["replicas"]) == 2
+    assert moved["tokens"] == ref["tokens"] and len(ref["tokens"]) == 40
+    assert text(moved) == text(ref)
+    stats = ray.get(cluster.replicas[dst].stats.remote(), timeout=30)
+    assert stats["imported_kv_blocks"] > 0  # K/V travelled (swap-in), not a recompute
+
+
+async def run_and_kill(c, prompts, params, victim: str | None) -> list[dict]:
+    client = ClusterClient(c.controller, item_timeout_s=60, admit_timeout_s=120)
+    progress = [0] * len(prompts)
+    where = [""] * len(prompts)  # the replica each request is streaming from
+
+    async def one(i: int) -> dict:
+        items = []
+        async for item in client.generate(prompts[i], params[i]):
+            items.append(item)
+            progress[i] += len(item.token_ids)
+            where[i] = "" if item.finished else item.replica_id
+        tokens = [t for x in items for t in x.token_ids]
+        return {"tokens": tokens, "items": items, "replicas": [x.replica_id for x in items]}
+
+    tasks = [asyncio.create_task(one(i)) for i in range(len(prompts))]
+    on_victim: list[int] = []
+    if victim is not None:
+        deadline = time.monotonic() + 60
+        while min(progress) < 6:  # every request is mid-generation
+            await asyncio.sleep(0.01)
+            assert time.monotonic() < deadline, progress
+        ray.kill(c.replicas[victim], no_restart=True)
+        on_victim = [i for i in range(len(prompts)) if where[i] == victim]
+    results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=120)
+    return results, on_victim
+
+
+def test_replica_death_streams_continue_exactly(cluster):
+    prompts = [prompt(10 + i) for i in range(6)]
+    params = [GREEDY if i % 2 else SEEDED for i in range(6)]
+    ref, _ = asyncio.run(run_and_kill(cluster, prompts, params, None))
+    victim = next(iter(cluster.replicas))
+    got, on_victim = asyncio.run(run_and_kill(cluster, prompts, params, victim))
+    assert on_victim, "no request was mid-generation on the killed replica"
+    for i in on_victim:  # continued on the other replica
+        assert got[i]["replicas"][0] == victim and got[i]["replicas"][-1] != victim
+    for r, e in zip(got, ref):
+        assert r["tokens"] == e["tokens"] and len(e["tokens"]) == 40
+        assert text(r) == text(e)
+        assert r["items"][-1].finish_reason == "length"
