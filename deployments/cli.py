@@ -28,6 +28,20 @@ def _bench_engine(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_cluster(args: argparse.Namespace) -> int:
+    from fairbatch.benchmarks import cluster_bench
+
+    systems = args.systems.split(",") if args.systems else None
+    cluster_bench.main(
+        args.json,
+        replicas=args.replicas,
+        systems=systems,
+        duration_s=args.duration,
+        with_ray=args.ray,
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fairbatch", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -50,6 +64,25 @@ def build_parser() -> argparse.ArgumentParser:
         "--skip-cb", action="store_true", help="skip transformers' continuous batching"
     )
     eng.set_defaults(func=_bench_engine)
+    clu = bench_sub.add_parser(
+        "cluster", help="fairness controller: admissions/s, latency, fairness vs baselines"
+    )
+    clu.add_argument("--json", help="write results to this JSON file")
+    clu.add_argument(
+        "--replicas", type=int, nargs="+", default=[4, 16, 64], help="cluster sizes (N)"
+    )
+    clu.add_argument("--systems", help="comma-separated subset of fairbatch,rr_local_wfq,p2c_fcfs")
+    clu.add_argument("--duration", type=float, default=12.0, help="virtual seconds per run")
+    clu.add_argument(
+        "--ray",
+        action="store_true",
+        help="also measure admissions/s through the controller actor on a local Ray",
+    )
+    clu.set_defaults(func=_bench_cluster)
+
+    from fairbatch.deployments import serve_cli  # stdlib-only at import: start-up stays fast
+
+    serve_cli.add_parser(sub)
     return parser
 
 

@@ -1,0 +1,185 @@
+"""`build_app(args)`: the one builder for Python (`serve.run(build_app({...}))`) and YAML
+(`import_path: fairbatch.deployments.app:build_app` with `args:` in a Serve config).
+
+The args are validated here, at the boundary, by `ServeAppConfig`: the API's `AppConfig`
+(model, tenants, keys, limits) plus the cluster's settings. Every error names its field
+(`engine.max_num_seqs: ...`) and unknown fields are errors, so a typo in a YAML file stops the
+deploy instead of being ignored.
+
+    from ray import serve
+    from fairbatch.deployments.app import build_app
+
+    serve.run(build_app({"model": "tiny", "num_replicas": 2}), name="fairbatch")
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, TypeAdapter, ValidationError, field_validator, model_validator
+
+from fairbatch.deployments.config import AppConfig, ConfigError, format_validation_error
+
+APP_NAME = "fairbatch"  # the Serve application name the docs and `get_app_handle` use
+ENGINES = ("tiny", "sim")  # besides a model directory
+
+
+def _dataclass_fields(cls: type, exclude: tuple[str, ...] = ("tenants",)) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls) if f.name not in exclude}
+
+
+def _check_dataclass_kwargs(cls: type, kwargs: dict[str, Any], what: str) -> dict[str, Any]:
+    """Validate `kwargs` for `cls(**kwargs)` (a stdlib dataclass) with messages naming keys."""
+    known = _dataclass_fields(cls)
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        raise ValueError(
+            f"unknown {what} setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+        )
+    try:
+        TypeAdapter(cls).validate_python(kwargs)
+    except ValidationError as e:
+        raise ValueError(format_validation_error(e).replace("\n", "; ")) from None
+    except (TypeError, ValueError) as e:  # the dataclass's own __post_init__ checks
+        raise ValueError(str(e)) from None
+    return kwargs
+
+
+class ServeAppConfig(AppConfig):
+    """`AppConfig` plus the cluster behind the ingress.
+
+    * `model`: "tiny" (the embedded model), "sim" (simulated runner: fast, gibberish tokens
+      from the tiny tokenizer's vocabulary) or a Hugging Face model directory present on
+      every node.
+    * `engine`: a string is shorthand for `model`; a mapping holds `ReplicaConfig` settings
+      (`num_gpu_blocks`, `max_num_seqs`, `max_model_len`, `device`: "auto" | "cpu" | "cuda", ...).
+    * `num_replicas`: replica actors (one GPU each); "auto" = the GPUs in the cluster at
+      deploy time (at least 1).
+    * `controller`: `ControllerConfig` settings (routing, policy, preemption, ...).
+    """
+
+    engine: dict[str, Any] | str = Field(default_factory=dict)  # type: ignore[assignment]
+    num_replicas: int | Literal["auto"] = "auto"  # type: ignore[assignment]
+    cluster_name: str = Field(default="fairbatch", pattern=r"^[A-Za-z0-9_\-]{1,40}$")
+    num_gpus_per_replica: float = Field(default=1.0, ge=0)  # 0: CPU replicas, no GPU needed
+    ingress_replicas: int = Field(default=1, ge=1)
+    startup_timeout_s: float = Field(default=600.0, gt=0)  # cluster up (models loaded)
+    request_timeout_s: float = Field(default=300.0, gt=0)  # admission wait, and between tokens
+    metrics_interval_s: float = Field(default=1.0, ge=0)  # gauges refresh; 0 = no metrics
+
+    @field_validator("num_replicas")
+    @classmethod
+    def _replicas(cls, v: int | str) -> int | str:
+        if isinstance(v, int) and v < 1:
+            raise ValueError("must be >= 1 or 'auto'")
+        return v
+
+    @field_validator("controller")
+    @classmethod
+    def _controller(cls, v: dict[str, Any]) -> dict[str, Any]:
+        from fairbatch.deployments.fairness import ControllerConfig
+
+        return _check_dataclass_kwargs(ControllerConfig, v, "controller")
+
+    @model_validator(mode="after")
+    def _engine(self) -> ServeAppConfig:
+        from fairbatch.deployments.replica import ReplicaConfig
+
+        engine = self.engine
+        if isinstance(engine, str):
+            object.__setattr__(self, "model", engine)
+            engine = {}
+        engine = dict(engine)
+        kind = engine.pop("engine", None)
+        if kind is not None:
+            if not isinstance(kind, str) or not kind:
+                raise ValueError("engine.engine: must be 'tiny', 'sim' or a model directory")
+            object.__setattr__(self, "model", kind)
+        try:
+            _check_dataclass_kwargs(ReplicaConfig, engine, "engine")
+        except ValueError as e:
+            raise ValueError(f"engine: {e}") from None
+        object.__setattr__(self, "engine", engine)
+        return self
+
+    @property
+    def model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        if self.model in ENGINES:
+            return f"fairbatch-{self.model}"
+        return super().model_name
+
+    def replica_config(self) -> Any:
+        from fairbatch.deployments.replica import ReplicaConfig
+
+        kw: dict[str, Any] = {"device": "auto", "max_num_seqs": 16, "num_gpu_blocks": 512}
+        if self.model == "sim":
+            from fairbatch.engine.tokenizer import Tokenizer
+
+            kw["sim_vocab"] = Tokenizer.tiny().vocab_size
+        kw.update(self.engine)
+        return ReplicaConfig(engine=self.model, **kw)
+
+    def controller_config(self) -> Any:
+        from fairbatch.deployments.fairness import ControllerConfig
+
+        return ControllerConfig(**self.controller)
+
+
+def read_args_file(path: str | Path) -> dict[str, Any]:
+    """The app args in a YAML file: at top level, under `args:`, or a whole Serve config
+    (the args of its application whose import path is this module's `build_app`)."""
+    import yaml
+
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise ConfigError(f"{path}: cannot read: {e}") from None
+    if isinstance(data, dict) and "applications" in data:
+        apps = [
+            a
+            for a in data.get("applications") or []
+            if isinstance(a, dict) and str(a.get("import_path", "")).endswith(":build_app")
+        ]
+        if not apps:
+            raise ConfigError(f"{path}: no application with import_path ...app:build_app")
+        data = apps[0].get("args") or {}
+    elif isinstance(data, dict) and set(data) == {"args"}:
+        data = data["args"] or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the app args must be a mapping")
+    return data
+
+
+def parse_app_args(args: dict[str, Any] | ServeAppConfig | None) -> ServeAppConfig:
+    """Validate `build_app` args; ConfigError names every field at fault."""
+    if isinstance(args, ServeAppConfig):
+        return args
+    if args is None:
+        args = {}
+    if not isinstance(args, dict):
+        raise ConfigError(f"app args must be a mapping, got {type(args).__name__}")
+    args = dict(args)
+    config_file = args.pop("config_file", None)
+    if config_file is not None:  # args given next to the file win over the file's
+        args = {**read_args_file(config_file), **args}
+    try:
+        return ServeAppConfig.model_validate(args)
+    except ValidationError as e:
+        raise ConfigError(
+            "invalid fairbatch app args:\n" + format_validation_error(e, "  ")
+        ) from None
+
+
+def build_app(args: dict[str, Any] | None = None) -> Any:
+    """The fairbatch Serve application (an ingress deployment bound to its args)."""
+    from fairbatch.deployments.serve_ingress import FairbatchIngress
+
+    config = parse_app_args(args)
+    return FairbatchIngress.options(
+        num_replicas=config.ingress_replicas, ray_actor_options={"num_cpus": 0}
+    ).bind(config.model_dump())

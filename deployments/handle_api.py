@@ -1,0 +1,202 @@
+"""The handle API: other Ray apps call fairbatch without HTTP.
+
+    from ray import serve
+
+    fb = serve.get_app_handle("fairbatch")
+    out = await fb.complete.remote({"prompt": "Hello", "tenant": "team-a", "max_tokens": 16})
+    # {"id", "text", "token_ids", "finish_reason", "usage": {...}}
+
+    stream = fb.options(stream=True).generate.remote(
+        {"messages": [{"role": "user", "content": "Hi"}], "tenant": "team-a", "max_tokens": 32}
+    )
+    async for chunk in stream:  # {"id", "text", "token_ids", "finished", "finish_reason"}
+        ...
+
+A call is admitted exactly as an HTTP request is (the tenant's quota and in-flight bounds,
+the model's context length); a refusal raises `HandleRejected` (status 429/503 and
+`retry_after`), a bad request `ValueError`. Handle callers are code inside the cluster, so
+they name the tenant (no key) and may set `priority`; the tenant must exist in the config
+(or be the anonymous default tenant when that is allowed). Breaking out of the stream (or
+cancelling the call) aborts the request and frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from fairbatch.deployments.api_schemas import ApiError
+from fairbatch.deployments.config import format_validation_error
+from fairbatch.deployments.tenants import Rejected, Ticket
+from fairbatch.engine.sampling_params import SamplingParams
+
+log = logging.getLogger("fairbatch.api")
+
+
+class HandleRejected(Exception):
+    """Admission refused: over quota or a bound (`status` 429), or the server is full (503)."""
+
+    def __init__(self, status: int, code: str, message: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.retry_after = retry_after
+
+    def __reduce__(self):  # crosses process boundaries inside RayTaskError
+        return (HandleRejected, (self.status, self.code, str(self), self.retry_after))
+
+
+class GenerateRequest(BaseModel):
+    """One handle call. Exactly one of `prompt`, `prompt_token_ids`, `messages`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[dict[str, Any]] | None = None  # rendered with the model's chat template
+    tenant: str | None = None  # None = the anonymous default tenant
+    priority: int | None = Field(default=None, ge=-1000, le=1000)  # None = the tenant's
+    request_id: str | None = Field(default=None, min_length=1, max_length=128)
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    ignore_eos: bool = False
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> GenerateRequest:
+        given = [x is not None for x in (self.prompt, self.prompt_token_ids, self.messages)]
+        if sum(given) != 1:
+            raise ValueError("give exactly one of prompt, prompt_token_ids, messages")
+        return self
+
+
+def parse_request(
+    request: dict[str, Any] | GenerateRequest | None, kwargs: dict
+) -> GenerateRequest:
+    if isinstance(request, GenerateRequest) and not kwargs:
+        return request
+    data = dict(request or {}) if not isinstance(request, GenerateRequest) else request.model_dump()
+    data.update(kwargs)
+    try:
+        return GenerateRequest.model_validate(data)
+    except ValidationError as e:
+        raise ValueError(
+            "invalid generate request: " + format_validation_error(e).replace("\n", "; ")
+        ) from None
+
+
+class HandleApi:
+    """Mixed into the Serve ingress; needs `self.api_app` (the API's FastAPI app)."""
+
+    api_app: Any
+
+    async def complete(self, request: dict[str, Any] | None = None, **kwargs: Any) -> dict:
+        """Run one request to the end: {"id", "text", "token_ids", "finish_reason", "usage"}."""
+        text: list[str] = []
+        ids: list[int] = []
+        last: dict = {}
+        async for chunk in self.generate(request, **kwargs):
+            text.append(chunk["text"])
+            ids.extend(chunk["token_ids"])
+            last = chunk
+        return {
+            "id": last.get("id"),
+            "text": "".join(text),
+            "token_ids": ids,
+            "finish_reason": last.get("finish_reason"),
+            "usage": last.get("usage"),
+        }
+
+    async def generate(
+        self, request: dict[str, Any] | None = None, **kwargs: Any
+    ) -> AsyncIterator[dict]:
+        """Stream chunks {"id", "text", "token_ids", "finished", "finish_reason"}; the last one
+        (finished) also carries "usage". Call with `handle.options(stream=True)`."""
+        api = self.api_app.state.api
+        req = parse_request(request, kwargs)
+        try:
+            api.ready()
+            tenant = api.registry.tenants.get(req.tenant or api.registry.anonymous)
+            if tenant is None or (req.tenant is None and not api.registry.allow_anonymous):
+                raise ValueError(f"unknown tenant {req.tenant!r}")
+            ids = await self._prompt_ids(api, req)
+            max_tokens = api.max_tokens(len(ids), req.max_tokens, api.limits.default_max_tokens)
+        except ApiError as e:  # keyword-only init: would not unpickle at the caller
+            if e.status >= 500:
+                retry = int(e.headers.get("Retry-After", "1"))
+                raise HandleRejected(e.status, e.code or "unavailable", e.message, retry) from None
+            raise ValueError(e.message) from None
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            seed=req.seed,
+            stop=req.stop,
+            ignore_eos=req.ignore_eos,
+        )
+        ticket = self._admit(api, tenant, req, len(ids))
+        priority = tenant.priority if req.priority is None else req.priority
+        it = api.backend.generate(
+            ids, params, request_id=ticket.request_id, tenant=tenant.name, priority=priority
+        )
+        outcome = "client_gone"
+        try:
+            async for d in it:
+                ticket.charge(len(d.token_ids))
+                chunk = {
+                    "id": ticket.request_id,
+                    "text": d.text,
+                    "token_ids": list(d.token_ids),
+                    "finished": d.finished,
+                    "finish_reason": d.finish_reason,
+                }
+                if d.finished:
+                    outcome = d.finish_reason or "stop"
+                    chunk["usage"] = {
+                        "prompt_tokens": ticket.prompt_tokens,
+                        "completion_tokens": ticket.completion_tokens,
+                        "total_tokens": ticket.prompt_tokens + ticket.completion_tokens,
+                    }
+                    if outcome == "error":
+                        raise RuntimeError("the model backend failed to serve this request")
+                yield chunk
+                if d.finished:
+                    break
+        finally:
+            api.registry.release(ticket)
+            api.finish_log(ticket, outcome)
+            await asyncio.shield(it.aclose())
+
+    @staticmethod
+    async def _prompt_ids(api: Any, req: GenerateRequest) -> list[int]:
+        if req.prompt_token_ids is not None:
+            return api.check_ids(list(req.prompt_token_ids))
+        if req.messages is not None:
+            text = api.tokenizer.apply_chat_template(req.messages)
+            bos = api.tokenizer.bos_token
+            return await api.encode(text, add_special_tokens=not (bos and text.startswith(bos)))
+        return await api.encode(req.prompt)
+
+    @staticmethod
+    def _admit(api: Any, tenant: Any, req: GenerateRequest, n_prompt: int) -> Ticket:
+        import secrets
+
+        rid = req.request_id or f"handle-{secrets.token_urlsafe(18)}"
+        try:
+            return api.registry.admit(tenant, rid, n_prompt, _now())
+        except Rejected as r:
+            raise HandleRejected(r.status, r.code, r.message, r.retry_after) from None
+
+
+def _now() -> int:
+    import time
+
+    return int(time.time())

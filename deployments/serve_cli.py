@@ -1,0 +1,132 @@
+"""`fairbatch serve`: a local Ray (dashboard on), the fairbatch app on it, until Ctrl-C.
+
+On a machine without CUDA the replicas run the model on CPU and Ray is given N fake GPUs
+(one per replica), so the cluster has exactly the shape it has on a GPU machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+EXAMPLE_PROMPT = "Hello!"
+
+
+def cuda_available() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:
+        return False
+
+
+def app_args(args: argparse.Namespace) -> dict[str, Any]:
+    from fairbatch.deployments.app import read_args_file
+
+    data: dict[str, Any] = read_args_file(args.config) if args.config else {}
+    if args.model is not None or ("model" not in data and "engine" not in data):
+        data["model"] = args.model or "tiny"
+    if args.replicas is not None or "num_replicas" not in data:
+        data["num_replicas"] = args.replicas or 2
+    return data
+
+
+def banner(url: str, model: str, dashboard: str | None, anonymous: bool) -> str:
+    key = "EMPTY" if anonymous else "<your API key>"
+    return f"""
+fairbatch is serving {model!r}
+  API:        {url}/v1   (health: {url}/health)
+  dashboard:  {dashboard or "(not running)"}   (Serve tab; metrics: docs/SERVE.md)
+
+  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\
+    -H 'Authorization: Bearer {key}' \\
+    -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "{EXAMPLE_PROMPT}"}}]}}'
+
+  python -c "from openai import OpenAI; c = OpenAI(base_url='{url}/v1', api_key='{key}'); \\
+print(c.chat.completions.create(model='{model}', \\
+messages=[{{'role': 'user', 'content': '{EXAMPLE_PROMPT}'}}]).choices[0].message.content)"
+
+Ctrl-C stops it.
+""".rstrip()
+
+
+class _Stop(Exception):
+    pass
+
+
+def _raise_stop(signum: int, frame: Any) -> None:
+    raise _Stop()
+
+
+def run(args: argparse.Namespace) -> int:
+    from fairbatch.deployments.app import APP_NAME, ConfigError, parse_app_args
+
+    try:
+        data = app_args(args)
+        config = parse_app_args(data)
+    except ConfigError as e:
+        print(f"fairbatch serve: {e}", file=sys.stderr)
+        return 2
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # Ctrl-C and SIGTERM both end in the same clean shutdown, also during start-up.
+    signal.signal(signal.SIGINT, _raise_stop)
+    signal.signal(signal.SIGTERM, _raise_stop)
+    import ray
+    from ray import serve
+
+    from fairbatch.deployments.app import build_app
+
+    n = config.num_replicas if config.num_replicas != "auto" else 2
+    init: dict[str, Any] = {
+        "address": "local",  # always a new local Ray, never someone's running cluster
+        "include_dashboard": True,
+        "dashboard_host": "127.0.0.1",
+        "log_to_driver": args.verbose,
+    }
+    if not cuda_available() and config.num_gpus_per_replica > 0:
+        init["num_gpus"] = int(n * config.num_gpus_per_replica + 0.999)  # fake GPUs
+    code = 0
+    try:
+        ctx = ray.init(**init)
+        serve.start(http_options={"host": args.host, "port": args.port})
+        print(f"starting {n} replica(s) of {config.model!r}...", flush=True)
+        serve.run(build_app(data), name=APP_NAME, route_prefix="/", blocking=False)
+        host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+        dashboard = f"http://{ctx.dashboard_url}" if ctx.dashboard_url else None
+        print(banner(f"http://{host}:{args.port}", config.model_name, dashboard,
+                     config.allow_anonymous), flush=True)  # fmt: skip
+        while True:
+            time.sleep(1.0)
+    except _Stop:
+        print("\nstopping fairbatch...", flush=True)
+    except Exception as e:
+        print(f"fairbatch serve failed: {e}", file=sys.stderr)
+        code = 1
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut cleanup
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        try:
+            if ray.is_initialized():
+                serve.shutdown()
+        finally:
+            ray.shutdown()
+        print("stopped.", flush=True)
+    return code
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "serve", help="run the OpenAI-compatible server on a local Ray (Ctrl-C stops it)"
+    )
+    p.add_argument("--config", help="YAML with the app args (or a Serve config holding them)")
+    p.add_argument("--model", help="tiny (default), sim, or a Hugging Face model directory")
+    p.add_argument("--replicas", type=int, help="replica actors, one GPU each (default 2)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to listen on every interface")
+    p.add_argument("--verbose", action="store_true", help="show the Ray workers' logs")
+    p.set_defaults(func=run)

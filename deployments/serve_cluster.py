@@ -1,0 +1,363 @@
+"""The cluster behind the Serve ingress: named controller + one replica actor per GPU, and the
+`ClusterBackend` adapter that gives `ClusterClient` the API's backend protocol.
+
+Why not `cluster.start_cluster`: the ingress runs inside a Serve replica that Serve may replace
+(a redeploy starts the new ingress before it stops the old one), so the actors here are
+*detached*, created with `get_if_exists` (a second ingress replica, or the next version, finds
+the running cluster by name), and counted: every ingress `attach`es, and the last one to
+`detach` tears the cluster down. The cluster's name carries a digest of its settings, so a
+redeploy that changes the engine or the replica count builds a new cluster next to the old
+one (which goes when the old ingress detaches); one that changes only tenants keeps it.
+
+`ClusterController` and `ClusterReplica` subclass the cluster layer's classes to add what the
+ingress needs there (run-time tenant updates, metrics, attach counting, a tokenizer on sim
+replicas so the API gets text and stop strings); see the report in docs/SERVE.md for the
+changes that would let these live in `controller.py` / `replica.py` instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+import ray
+
+from fairbatch.deployments.client import ClusterClient
+from fairbatch.deployments.controller import Controller
+from fairbatch.deployments.fairness import ControllerConfig
+from fairbatch.deployments.metrics import Deltas, RequestTimer, get_metrics
+from fairbatch.deployments.replica import Replica, ReplicaConfig
+from fairbatch.engine.core import RequestDelta
+from fairbatch.engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+NAMESPACE = "fairbatch"  # the cluster's actors live here, whatever job the ingress runs in
+UPDATE_TIMEOUT_S = 15.0  # tenant pushes to the controller and each replica
+HEALTH_TIMEOUT_S = 5.0
+
+
+def _spawn(coro: Any, tasks: set) -> None:
+    task = asyncio.get_running_loop().create_task(coro)
+    tasks.add(task)
+    task.add_done_callback(tasks.discard)
+
+
+# ---- actors -----------------------------------------------------------------------------------
+
+
+class ClusterController(Controller):
+    """The controller plus: tenant updates, ingress attach counting, periodic metrics."""
+
+    def __init__(self, config: ControllerConfig, metrics_interval_s: float = 1.0) -> None:
+        super().__init__(config)
+        self.users: set[str] = set()
+        self.metrics_interval_s = metrics_interval_s
+        self._metrics_task: asyncio.Task | None = None
+
+    async def attach(self, user: str) -> int:
+        self.users.add(user)
+        if self._metrics_task is None and self.metrics_interval_s > 0:
+            self._metrics_task = asyncio.get_running_loop().create_task(self._metrics_loop())
+        return len(self.users)
+
+    async def detach(self, user: str) -> int:
+        """Returns how many ingresses still use the cluster (0: tear it down)."""
+        self.users.discard(user)
+        return len(self.users)
+
+    async def update_tenant(self, name: str, weight: float, priority: int) -> None:
+        self.core.policy.update_tenant(name, weight=weight, priority=priority)
+        self._apply(self.core.dispatch())
+
+    async def tenants(self) -> dict[str, tuple[float, int]]:
+        """name -> (weight, priority), as the global queue's policy has them."""
+        policy = self.core.policy
+        return {n: (policy.tenant(n).weight, policy.tenant(n).priority) for n in policy._specs}
+
+    async def _metrics_loop(self) -> None:
+        m = get_metrics()
+        deltas = Deltas()
+        while True:
+            try:
+                core = self.core
+                m.queue_depth.set(len(core.policy), tags={"replica": "controller"})
+                for tenant, value in core.counters().items():
+                    m.tenant_counter.set(value, tags={"tenant": tenant})
+                for tenant, value in core.policy.service().items():
+                    m.tenant_service.set(value, tags={"tenant": tenant})
+                deltas.inc(m.migrations, core.num_migrations, {})
+            except Exception as e:  # metrics never take the controller down
+                log.debug("controller metrics failed: %r", e)
+            await asyncio.sleep(self.metrics_interval_s)
+
+
+class ClusterReplica(Replica):
+    """The replica plus: run-time tenant updates, periodic metrics, and for `engine="sim"`
+    the tiny tokenizer (sim tokens are ids below its vocabulary), so text and stop strings
+    work through the API as with a real model."""
+
+    def __init__(
+        self,
+        replica_id: str,
+        config: ReplicaConfig,
+        controller_name: str | None = None,
+        namespace: str | None = None,
+        metrics_interval_s: float = 1.0,
+    ) -> None:
+        if config.device == "auto":  # a Ray GPU may be fake: ask torch, never Ray
+            import torch
+
+            config = replace(config, device="cuda" if torch.cuda.is_available() else "cpu")
+        super().__init__(replica_id, config, controller_name, namespace)
+        if config.engine == "sim" and self.core.tokenizer is None:
+            from fairbatch.engine.tokenizer import Tokenizer
+
+            tok = Tokenizer.tiny()
+            self.core.tokenizer = tok
+            self.core.eos_token_ids = tuple(tok.eos_token_ids)
+        self.metrics_interval_s = metrics_interval_s
+        self._metrics_task: asyncio.Task | None = None
+
+    async def start(self) -> str:
+        if self._metrics_task is None and self.metrics_interval_s > 0:
+            self._metrics_task = asyncio.get_running_loop().create_task(self._metrics_loop())
+        return await super().start()
+
+    async def update_tenant(self, name: str, weight: float, priority: int) -> None:
+        policy = self.core.scheduler.policy
+        await self.engine.call(policy.update_tenant, name, weight=weight, priority=priority)
+
+    def _snapshot(self) -> dict:
+        s = self.core.scheduler
+        kv = s.kv
+        total = kv.gpu_pool.num_blocks
+        block_bytes = getattr(s.config, "kv_bytes_per_token", 0) * kv.block_size
+        return {
+            "waiting": s.num_waiting,
+            "running": len(s.running),
+            "swapped": len(s.swapped),
+            "kv_usage": (total - kv.num_free_blocks) / total if total else 0.0,
+            "preemptions": dict(s.num_preemptions),
+            "swapped_bytes": {k: v * block_bytes for k, v in s.num_swapped_blocks.items()},
+        }
+
+    async def _metrics_loop(self) -> None:
+        m = get_metrics()
+        deltas = Deltas()
+        tag = {"replica": self.replica_id}
+        while True:
+            try:
+                snap = await self.engine.call(self._snapshot)
+                m.queue_depth.set(snap["waiting"], tags=tag)
+                m.running.set(snap["running"], tags=tag)
+                m.swapped.set(snap["swapped"], tags=tag)
+                m.kv_usage.set(snap["kv_usage"], tags=tag)
+                for mode, n in snap["preemptions"].items():
+                    deltas.inc(m.preemptions, n, {**tag, "mode": mode})
+                for direction, n in snap["swapped_bytes"].items():
+                    deltas.inc(m.swapped_bytes, n, {**tag, "direction": direction})
+            except Exception as e:
+                log.debug("replica metrics failed: %r", e)
+            await asyncio.sleep(self.metrics_interval_s)
+
+
+# ---- starting or finding the cluster ------------------------------------------------------------
+
+
+@dataclass
+class ClusterSpec:
+    """What the ingress asks for: the cluster's identity is a digest of all of it."""
+
+    name: str
+    replicas: list[ReplicaConfig]
+    controller: ControllerConfig = field(default_factory=ControllerConfig)
+    num_gpus_per_replica: float = 1.0
+    metrics_interval_s: float = 1.0
+
+    def cluster_id(self) -> str:
+        body = repr(
+            (
+                [asdict(r) for r in self.replicas],
+                asdict(self.controller),
+                self.num_gpus_per_replica,
+            )
+        )
+        return f"{self.name}-{hashlib.sha256(body.encode()).hexdigest()[:8]}"
+
+
+@dataclass
+class ClusterHandles:
+    cluster_id: str
+    controller: Any
+    replicas: dict[str, Any]  # replica id -> handle
+    namespace: str | None
+
+
+async def ensure_cluster(spec: ClusterSpec, timeout_s: float) -> ClusterHandles:
+    """Create the cluster's detached actors, or find them by name; wait until every replica
+    has reported to the controller (bounded by `timeout_s`)."""
+    cid = spec.cluster_id()
+    namespace = NAMESPACE
+    ctrl_name = f"{cid}-controller"
+    ctrl_cls = ray.remote(ClusterController)
+    controller = ctrl_cls.options(
+        name=ctrl_name,
+        namespace=namespace,
+        get_if_exists=True,
+        lifetime="detached",
+        num_cpus=0,
+        max_restarts=-1,
+        max_task_retries=-1,
+        max_concurrency=10000,
+    ).remote(spec.controller, spec.metrics_interval_s)
+    rep_cls = ray.remote(ClusterReplica)
+    replicas: dict[str, Any] = {}
+    for i, cfg in enumerate(spec.replicas):
+        rid = f"{cid}-r{i}"
+        replicas[rid] = rep_cls.options(
+            name=rid,
+            namespace=namespace,
+            get_if_exists=True,
+            lifetime="detached",
+            num_cpus=0,
+            num_gpus=spec.num_gpus_per_replica,
+            max_restarts=0,
+            max_concurrency=1000,
+        ).remote(rid, cfg, ctrl_name, namespace, spec.metrics_interval_s)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    await asyncio.wait_for(
+        asyncio.gather(*(h.start.remote() for h in replicas.values())), timeout=timeout_s
+    )
+    while not await asyncio.wait_for(
+        controller.ready.remote(len(replicas)), timeout=max(1.0, deadline - loop.time())
+    ):
+        if loop.time() > deadline:
+            raise TimeoutError(f"cluster {cid}: replicas did not report within {timeout_s:g}s")
+        await asyncio.sleep(0.05)
+    return ClusterHandles(cid, controller, replicas, namespace)
+
+
+def kill_cluster(handles: ClusterHandles) -> None:
+    for h in handles.replicas.values():
+        try:
+            ray.kill(h, no_restart=True)
+        except Exception:
+            pass
+    try:
+        ray.kill(handles.controller, no_restart=True)
+    except Exception:
+        pass
+
+
+# ---- the backend adapter ------------------------------------------------------------------------
+
+
+class ClusterBackend:
+    """The API's backend protocol (see `openai_api`) over `ClusterClient`, plus metrics."""
+
+    def __init__(
+        self,
+        handles: ClusterHandles,
+        tokenizer: Any,
+        max_model_len: int,
+        *,
+        block_size: int = 16,
+        admit_timeout_s: float = 120.0,
+        item_timeout_s: float = 120.0,
+        record_metrics: bool = True,
+    ) -> None:
+        self.handles = handles
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.client = ClusterClient(
+            handles.controller,
+            block_size=block_size,
+            admit_timeout_s=admit_timeout_s,
+            item_timeout_s=item_timeout_s,
+        )
+        self._where: dict[str, Any] = {}  # request id -> its replica's handle (latest)
+        self._metrics = get_metrics() if record_metrics else None
+        self._tasks: set[asyncio.Task] = set()
+
+    async def generate(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        request_id: str,
+        tenant: str,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestDelta]:
+        if params.logprobs is not None:
+            # StreamItem carries no logprobs yet (docs/SERVE.md lists the cluster change).
+            raise ValueError("logprobs are not available from the cluster backend yet")
+        timer = RequestTimer(tenant, time.monotonic)
+        inner = self.client.generate(
+            list(prompt_token_ids),
+            params,
+            tenant=tenant,
+            priority=priority,
+            request_id=request_id,
+            on_assign=lambda a: self._where.__setitem__(request_id, a.replica),
+        )
+        reason = "abort"
+        try:
+            async for item in inner:
+                timer.tokens_out(len(item.token_ids), item.replica_id)
+                if item.error:
+                    log.warning("request_id=%s failed in the cluster: %s", request_id, item.error)
+                logprobs = getattr(item, "logprobs", None)
+                yield RequestDelta(
+                    request_id,
+                    list(item.token_ids),
+                    item.text,
+                    item.finished,
+                    item.finish_reason,
+                    logprobs,
+                )
+                if item.finished:
+                    reason = item.finish_reason or "stop"
+                    return
+        finally:
+            self._where.pop(request_id, None)
+            # Closing the client's generator cancels at the controller and aborts on the
+            # replica; shielded so a cancelled caller cannot cut that short.
+            try:
+                await asyncio.shield(inner.aclose())
+            finally:
+                if self._metrics is not None:
+                    timer.record(self._metrics, reason, len(prompt_token_ids))
+
+    async def abort(self, request_id: str) -> bool:
+        handle = self._where.get(request_id)
+        self.handles.controller.cancel.remote(request_id)
+        if handle is None:
+            return False
+        try:
+            return bool(await asyncio.wait_for(handle.abort.remote(request_id), UPDATE_TIMEOUT_S))
+        except Exception:
+            return False
+
+    async def update_tenant(
+        self, name: str, weight: float, priority: int, tokens_per_minute: float | None
+    ) -> None:
+        # Quotas are enforced at the ingress (at admission); the cluster gets share and class.
+        targets = [self.handles.controller, *self.handles.replicas.values()]
+        await asyncio.wait_for(
+            asyncio.gather(*(h.update_tenant.remote(name, weight, priority) for h in targets)),
+            timeout=UPDATE_TIMEOUT_S,
+        )
+
+    async def check_health(self) -> bool:
+        await asyncio.wait_for(self.handles.controller.ready.remote(0), HEALTH_TIMEOUT_S)
+        return True
+
+    async def stats(self) -> dict:
+        return await asyncio.wait_for(self.handles.controller.stats.remote(), UPDATE_TIMEOUT_S)

@@ -1,0 +1,149 @@
+"""The OpenAI-compatible API as a Ray Serve ingress deployment, over the fairbatch cluster.
+
+`FairbatchIngress` is a plain class under `@serve.ingress()`: its (async) constructor
+validates the args, builds the FastAPI app (`create_app(None, config)`), starts or finds the
+cluster (`serve_cluster.ensure_cluster`: the named controller and one replica actor per GPU,
+`num_cpus=0`), binds a `ClusterBackend` to the app, and only then returns, so `serve.run` and
+`serve status` report RUNNING when requests can be served. Serve gets the app from
+`__serve_build_asgi_app__`. The handle API (`handle_api.HandleApi`) is mixed in.
+
+On shutdown the ingress detaches from the cluster; the last ingress to go kills it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray import serve
+
+from fairbatch.deployments.api_server import bind_backend, create_app
+from fairbatch.deployments.handle_api import HandleApi
+from fairbatch.deployments.metrics import Deltas, get_metrics
+
+log = logging.getLogger("fairbatch.serve")
+
+
+def load_tokenizer(model: str) -> Any:
+    """The API's tokenizer: the tiny one for "tiny"/"sim", else the model directory's."""
+    from fairbatch.engine.tokenizer import Tokenizer
+
+    if model in ("tiny", "sim"):
+        return Tokenizer.tiny()
+    if not (Path(model) / "tokenizer.json").is_file():
+        raise ValueError(f"model {model!r}: no tokenizer.json there; the API needs a tokenizer")
+    return Tokenizer.from_dir(model)
+
+
+def model_max_len(model: str, configured: int) -> int:
+    """The replica's `max_model_len`, capped by the model's own position limit."""
+    if model in ("tiny", "sim"):
+        return configured
+    try:
+        cfg = json.loads((Path(model) / "config.json").read_text())
+        return min(configured, int(cfg.get("max_position_embeddings") or configured))
+    except (OSError, ValueError):
+        return configured
+
+
+def resolve_num_replicas(requested: int | str, gpus_per_replica: float) -> int:
+    if requested != "auto":
+        return int(requested)
+    if gpus_per_replica <= 0:
+        return 1
+    gpus = ray.cluster_resources().get("GPU", 0.0)
+    return max(1, int(gpus // gpus_per_replica))
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1024)
+@serve.ingress()
+class FairbatchIngress(HandleApi):
+    async def __init__(self, config: dict[str, Any]) -> None:
+        from fairbatch.deployments.app import parse_app_args
+        from fairbatch.deployments.serve_cluster import (
+            ClusterBackend,
+            ClusterSpec,
+            ensure_cluster,
+        )
+
+        cfg = parse_app_args(config)
+        self.config = cfg
+        self.user = f"ingress-{uuid.uuid4().hex[:12]}"
+        self.handles = None
+        self._tasks: set[asyncio.Task] = set()
+        self.api_app = create_app(None, cfg)
+        tokenizer = load_tokenizer(cfg.model)
+        replica_cfg = cfg.replica_config()
+        n = resolve_num_replicas(cfg.num_replicas, cfg.num_gpus_per_replica)
+        spec = ClusterSpec(
+            name=cfg.cluster_name,
+            replicas=[replica_cfg] * n,
+            controller=cfg.controller_config(),
+            num_gpus_per_replica=cfg.num_gpus_per_replica,
+            metrics_interval_s=cfg.metrics_interval_s,
+        )
+        log.info("starting or joining cluster %s: %d x %s", spec.cluster_id(), n, cfg.model)
+        self.handles = await ensure_cluster(spec, cfg.startup_timeout_s)
+        await self.handles.controller.attach.remote(self.user)
+        self.backend = ClusterBackend(
+            self.handles,
+            tokenizer,
+            model_max_len(cfg.model, replica_cfg.max_model_len),
+            block_size=replica_cfg.block_size,
+            admit_timeout_s=cfg.request_timeout_s,
+            item_timeout_s=cfg.request_timeout_s,
+            record_metrics=cfg.metrics_interval_s > 0,
+        )
+        await bind_backend(self.api_app, self.backend)
+        if cfg.metrics_interval_s > 0:
+            task = asyncio.get_running_loop().create_task(self._metrics_loop())
+            self._tasks.add(task)
+        log.info("fairbatch ingress ready: model %s, %d replicas", cfg.model_name, n)
+
+    def __serve_build_asgi_app__(self) -> Any:
+        return self.api_app
+
+    # No Serve `check_health`: a controller restart must not make Serve replace the ingress
+    # (the last ingress to go stops the cluster). GET /health reports the cluster's state.
+
+    async def cluster_stats(self) -> dict:
+        """The controller's view (queue, assignments, counters): for operators and tests."""
+        return await self.backend.stats()
+
+    async def cluster_tenants(self) -> dict[str, tuple[float, int]]:
+        """Tenant -> (weight, priority) as the cluster's global queue has them."""
+        return await self.handles.controller.tenants.remote()
+
+    async def replica_handles(self) -> dict[str, Any]:
+        return dict(self.handles.replicas)
+
+    async def _metrics_loop(self) -> None:
+        m = get_metrics()
+        deltas = Deltas()
+        registry = self.api_app.state.registry
+        while True:
+            for t in list(registry.tenants.values()):
+                deltas.inc(m.rejections, t.requests_rejected, {"tenant": t.name})
+            await asyncio.sleep(self.config.metrics_interval_s)
+
+    async def __del__(self) -> None:
+        for task in getattr(self, "_tasks", ()):
+            task.cancel()
+        handles = getattr(self, "handles", None)
+        if handles is None:
+            return
+        from fairbatch.deployments.serve_cluster import kill_cluster
+
+        try:
+            left = await asyncio.wait_for(handles.controller.detach.remote(self.user), 10.0)
+        except Exception as e:
+            log.warning("detach from cluster %s failed: %r", handles.cluster_id, e)
+            return
+        if left == 0:
+            log.info("last ingress gone: shutting down cluster %s", handles.cluster_id)
+            kill_cluster(handles)

@@ -1,0 +1,80 @@
+"""`fairbatch serve` as a user runs it: a subprocess, /health, one completion, Ctrl-C, exit 0."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+
+START_TIMEOUT_S = 240
+STOP_TIMEOUT_S = 90
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_fairbatch_serve_starts_answers_and_stops_on_ctrl_c():
+    tmp = tempfile.mkdtemp(prefix="fbcli-", dir="/tmp")  # short: Ray's socket paths are capped
+    try:
+        run_cli(Path(tmp))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def run_cli(tmp_path: Path) -> None:
+    port = free_port()
+    env = dict(os.environ)  # conftest: RAY_AUTH_MODE=disabled, usage stats off, private tmp
+    env.setdefault("RAY_agent_register_timeout_ms", "120000")
+    env["RAY_TMPDIR"] = str(tmp_path)
+    log = (tmp_path / "serve.log").open("w+")
+    cmd = [sys.executable, "-m", "fairbatch.deployments.cli", "serve", "--port", str(port)]
+    # Its own process group: if the test fails, everything it started goes with it.
+    proc = subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            assert proc.poll() is None, f"fairbatch serve exited early:\n{_read(log)}"
+            assert time.monotonic() < deadline, f"/health not ready:\n{_read(log)}"
+            try:  # ready: the banner is out and the API answers
+                if "Ctrl-C stops it" in _read(log):
+                    if httpx.get(f"{base}/health", timeout=5).status_code == 200:
+                        break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1.0)
+        c = openai.OpenAI(base_url=f"{base}/v1", api_key="EMPTY", max_retries=0, timeout=60)
+        out = c.completions.create(model="fairbatch-tiny", prompt="Hello", max_tokens=5)
+        assert out.usage.completion_tokens >= 1 and out.choices[0].finish_reason
+        banner = _read(log)
+        assert f"{base}/v1" in banner and "curl" in banner and "dashboard:" in banner
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=STOP_TIMEOUT_S) == 0, _read(log)
+        assert "stopped." in _read(log)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+        log.close()
+
+
+def _read(f) -> str:
+    f.flush()
+    f.seek(0)
+    return f.read()[-4000:]

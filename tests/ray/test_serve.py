@@ -1,0 +1,419 @@
+"""The Serve app end to end: `serve deploy` of a YAML derived from deployments/serve_config.yaml,
+the official `openai` client over loopback HTTP, the handle API from a second Serve app,
+metrics on the node's metrics port, quotas, disconnects.
+
+One Ray (2 fake GPUs, dashboard on for the `serve` CLI) and one deployment (2 tiny-Llama
+replicas) for the whole module. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+openai = pytest.importorskip("openai")
+ray = pytest.importorskip("ray")
+from ray import serve  # noqa: E402
+
+from fairbatch.deployments.app import ConfigError, parse_app_args, read_args_file  # noqa: E402
+from fairbatch.deployments.handle_api import HandleRejected  # noqa: E402
+from fairbatch.engine.tokenizer import Tokenizer  # noqa: E402
+
+# A loaded 2-core box can take longer than Ray's 30 s to start the metrics agent.
+os.environ.setdefault("RAY_agent_register_timeout_ms", "120000")
+REPO = Path(__file__).resolve().parents[2]
+KEYS = {"a": "sk-a", "b": "sk-b", "c": "sk-c", "q": "sk-q", "d": "sk-d"}
+WEIGHTS = {"a": 1.0, "b": 2.0, "c": 4.0}
+ADMIN = "sk-admin"
+MODEL = "fairbatch-tiny"
+DEPLOY_TIMEOUT_S = 240
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(pred, timeout_s: float, what: str, every: float = 0.25):
+    deadline = time.monotonic() + timeout_s
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            last = pred()
+            if last:
+                return last
+        except Exception as e:  # not up yet
+            last = e
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}: {last!r}")
+
+
+def app_args() -> dict:
+    """The example config's args, with test tenants and a small cluster."""
+    args = read_args_file(REPO / "deployments" / "serve_config.yaml")
+    args.update(
+        num_replicas=2,
+        cluster_name="fbtest",
+        metrics_interval_s=0.5,
+        admin_api_key=ADMIN,
+        engine={
+            "num_gpu_blocks": 64,
+            "num_cpu_blocks": 64,
+            "max_num_seqs": 1,  # one seat per replica: queues form at the controller
+            "max_num_batched_tokens": 256,
+            "max_model_len": 512,
+            "device": "cpu",
+        },
+        controller={"local_queue": 0},
+        tenants=[
+            *({"name": n, "api_key": KEYS[n], "weight": w} for n, w in WEIGHTS.items()),
+            {"name": "q", "api_key": KEYS["q"], "tokens_per_minute": 30},
+            {"name": "d", "api_key": KEYS["d"]},
+        ],
+    )
+    args.pop("admin_api_key_sha256", None)
+    return args
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    http_port, dash_port, metrics_port = free_port(), free_port(), free_port()
+    ray.init(
+        num_cpus=2,
+        num_gpus=2,
+        include_dashboard=True,
+        dashboard_host="127.0.0.1",
+        dashboard_port=dash_port,
+        _metrics_export_port=metrics_port,
+        _temp_dir=os.environ["RAY_TMPDIR"],
+        log_to_driver=False,
+        configure_logging=False,
+    )
+    config = {
+        "http_options": {"host": "127.0.0.1", "port": http_port},
+        "applications": [
+            {
+                "name": "fairbatch",
+                "route_prefix": "/",
+                "import_path": "fairbatch.deployments.app:build_app",
+                "args": app_args(),
+            }
+        ],
+    }
+    path = tmp_path_factory.mktemp("serve") / "serve_config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    serve_cli = Path(sys.executable).parent / "serve"
+    try:
+        subprocess.run(
+            [str(serve_cli), "deploy", str(path), "--address", f"http://127.0.0.1:{dash_port}"],
+            check=True,
+            timeout=120,
+            capture_output=True,
+            env=os.environ.copy(),
+        )
+
+        def running():
+            app = serve.status().applications.get("fairbatch")
+            if app is not None and app.status == "DEPLOY_FAILED":
+                pytest.fail(f"deploy failed: {app.message}")
+            return app is not None and app.status == "RUNNING"
+
+        wait_for(running, DEPLOY_TIMEOUT_S, "the fairbatch app to be RUNNING", every=1.0)
+        base = f"http://127.0.0.1:{http_port}"
+        wait_for(lambda: httpx.get(f"{base}/health", timeout=5).status_code == 200, 60, "/health")
+        yield {"base": base, "metrics_port": metrics_port}
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+
+
+def client(served, tenant: str | None = "a", **kw) -> openai.OpenAI:
+    key = KEYS[tenant] if tenant else "EMPTY"
+    return openai.OpenAI(base_url=served["base"] + "/v1", api_key=key, max_retries=0, **kw)
+
+
+def replicas() -> dict:
+    handle = serve.get_app_handle("fairbatch")
+    return handle.replica_handles.remote().result(timeout_s=30)
+
+
+def wait_pools_free(timeout_s: float = 60) -> None:
+    for rid, h in replicas().items():
+
+        def free(h=h):
+            state = ray.get(h.check.remote(), timeout=30)
+            return state["all_free"] and state["requests"] == 0
+
+        wait_for(free, timeout_s, f"{rid} to free every block")
+
+
+# ---- no Ray needed ------------------------------------------------------------------------------
+
+
+def test_args_are_validated_with_field_names():
+    with pytest.raises(ConfigError, match="engine: unknown engine setting"):
+        parse_app_args({"engine": {"max_num_seq": 4}})
+    with pytest.raises(ConfigError, match=r"tenants\.0\.weight"):
+        parse_app_args({"tenants": [{"name": "x", "weight": 0}]})
+    with pytest.raises(ConfigError, match="num_replicas"):
+        parse_app_args({"num_replicas": 0})
+    cfg = parse_app_args({"engine": "sim", "num_replicas": 3})
+    assert cfg.model == "sim" and cfg.model_name == "fairbatch-sim" and cfg.num_replicas == 3
+    example = parse_app_args({"config_file": str(REPO / "deployments" / "serve_config.yaml")})
+    assert [t.name for t in example.tenants] == ["team-a", "team-b"]
+
+
+# ---- the OpenAI client --------------------------------------------------------------------------
+
+
+def test_models_list_and_auth(served):
+    models = client(served).models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    with pytest.raises(openai.AuthenticationError):
+        client(served, None, default_headers={"Authorization": "Bearer nope"}).models.list()
+
+
+def test_completion_usage_and_stop(served):
+    tok = Tokenizer.tiny()
+    prompt = "The quick brown fox jumps over the lazy dog"
+    c = client(served)
+    full = c.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=24, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert full.usage.prompt_tokens == len(tok.encode(prompt))
+    assert full.usage.completion_tokens == 24
+    assert full.choices[0].finish_reason == "length"
+    text = full.choices[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    assert stop.strip(), text
+    cut = c.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=24,
+        temperature=0,
+        stop=[stop],
+        extra_body={"ignore_eos": True},
+    )
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == text[: text.index(stop)]
+    assert cut.usage.completion_tokens < 24
+
+
+def test_chat_and_streaming_chat_agree(served):
+    c = client(served, "b")
+    messages = [{"role": "user", "content": "Say something about fair scheduling."}]
+    kw = dict(model=MODEL, messages=messages, max_tokens=16, temperature=0.8, seed=7)
+    whole = c.chat.completions.create(**kw)
+    chunks = list(
+        c.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw)
+    )
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert streamed == whole.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens > 0
+
+
+def test_concurrent_streams_three_tenants(served):
+    """Two long "blocker" streams hold both seats (one per replica, no local queue) while 9
+    streams queue at the controller, submitted a, a, a, b, b, b, c, c, c. Weighted fair order
+    (weights 1:2:4) must serve all of c before the last of a; arrival order would not."""
+    finished: list[str] = []
+    started = 0
+
+    async def one(tenant: str | None, i: int, max_tokens: int) -> tuple[str, int, str]:
+        nonlocal started
+        key = KEYS[tenant] if tenant else "EMPTY"
+        c = openai.AsyncOpenAI(base_url=served["base"] + "/v1", api_key=key, max_retries=0)
+        stream = await c.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": f"stream {i} of {tenant}"}],
+            max_tokens=max_tokens,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        text, usage = "", None
+        async for ch in stream:
+            if ch.choices and ch.choices[0].delta.content:
+                if not text and tenant is None:
+                    started += 1
+                text += ch.choices[0].delta.content
+            if ch.usage is not None:
+                usage = ch.usage
+        await c.close()
+        finished.append(tenant or "blocker")
+        return tenant or "blocker", usage.completion_tokens, text
+
+    async def run():
+        blockers = [asyncio.create_task(one(None, i, 160)) for i in range(2)]
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 60
+        while started < 2:  # both seats taken
+            assert loop.time() < deadline, "the blocker streams did not start"
+            await asyncio.sleep(0.02)
+        jobs = [one(t, i, 16) for t in WEIGHTS for i in range(3)]
+        out = await asyncio.wait_for(asyncio.gather(*jobs), timeout=150)
+        await asyncio.wait_for(asyncio.gather(*blockers), timeout=60)
+        return out
+
+    results = asyncio.run(run())
+    assert sorted(t for t, _, _ in results) == sorted(list(WEIGHTS) * 3)
+    assert all(n == 16 for _, n, _ in results)
+    order = [t for t in finished if t != "blocker"]
+    last = {t: max(i for i, x in enumerate(order) if x == t) for t in WEIGHTS}
+    assert last["c"] < last["a"], order  # arrival order would finish every a first
+    mean = {t: sum(i for i, x in enumerate(order) if x == t) / 3 for t in WEIGHTS}
+    assert mean["c"] < mean["a"], order
+    handle = serve.get_app_handle("fairbatch")
+    ctrl_tenants = handle.cluster_tenants.remote().result(timeout_s=30)
+    for t, w in WEIGHTS.items():
+        assert ctrl_tenants[t][0] == w  # the weights reached the global queue's policy
+    wait_pools_free()
+
+
+def test_admin_changes_weight_at_run_time(served):
+    r = httpx.patch(
+        served["base"] + "/admin/tenants/a",
+        json={"weight": 3},
+        headers={"Authorization": f"Bearer {ADMIN}"},
+        timeout=30,
+    )
+    assert r.status_code == 200 and r.json()["weight"] == 3
+    handle = serve.get_app_handle("fairbatch")
+    assert handle.cluster_tenants.remote().result(timeout_s=30)["a"][0] == 3
+    r = httpx.patch(served["base"] + "/admin/tenants/a", json={"weight": 1}, timeout=30)
+    assert r.status_code == 401
+
+
+def test_quota_429_with_retry_after(served):
+    c = client(served, "q")
+    c.completions.create(model=MODEL, prompt="spend the whole quota", max_tokens=32)
+    with pytest.raises(openai.RateLimitError) as err:
+        c.completions.create(model=MODEL, prompt="one more", max_tokens=4)
+    assert int(err.value.response.headers["Retry-After"]) >= 1
+    assert err.value.response.json()["error"]["code"] == "quota_exceeded"
+    handle = serve.get_app_handle("fairbatch")
+    with pytest.raises(HandleRejected) as rej:  # the handle API admits the same way
+        handle.complete.remote({"prompt": "via handle", "tenant": "q"}).result(timeout_s=60)
+    assert rej.value.status == 429 and rej.value.retry_after >= 1
+    with pytest.raises(ValueError, match="unknown tenant"):
+        handle.complete.remote({"prompt": "x", "tenant": "nobody"}).result(timeout_s=60)
+
+
+def test_disconnect_frees_kv_blocks(served):
+    max_tokens = 400
+    body = {
+        "model": MODEL,
+        "prompt": "a long story that nobody will read to the end",
+        "max_tokens": max_tokens,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    headers = {"Authorization": f"Bearer {KEYS['d']}"}
+    got = 0
+    with httpx.Client(timeout=60) as h:
+        with h.stream("POST", served["base"] + "/v1/completions", json=body, headers=headers) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    got += 1
+                    if got == 3:
+                        break
+    # The connection is closed: the request must be aborted, not run to max_tokens.
+    wait_pools_free()
+    decode = 0
+    for h in replicas().values():
+        stats = ray.get(h.stats.remote(), timeout=30)
+        decode += stats["tokens"].get("d", (0, 0))[1]
+    assert 3 <= decode < max_tokens
+
+
+# ---- handles ------------------------------------------------------------------------------------
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0})
+class Caller:
+    """A second app that uses fairbatch through its handle."""
+
+    async def __call__(self, prompt: str) -> dict:
+        fb = serve.get_app_handle("fairbatch")
+        req = {"prompt": prompt, "tenant": "c", "max_tokens": 10, "temperature": 0.0}
+        whole = await fb.complete.remote(dict(req, ignore_eos=True))
+        chunks = []
+        async for chunk in fb.options(stream=True).generate.remote(dict(req, ignore_eos=True)):
+            chunks.append(chunk)
+        return {"whole": whole, "chunks": chunks}
+
+
+def test_handle_call_from_a_second_app(served):
+    caller = serve.run(Caller.bind(), name="caller", route_prefix="/caller")
+    out = caller.remote("hello from another app").result(timeout_s=120)
+    whole, chunks = out["whole"], out["chunks"]
+    assert whole["finish_reason"] == "length" and len(whole["token_ids"]) == 10
+    assert whole["usage"]["completion_tokens"] == 10
+    assert "".join(c["text"] for c in chunks) == whole["text"]
+    assert [t for c in chunks for t in c["token_ids"]] == whole["token_ids"]
+    assert chunks[-1]["finished"] and chunks[-1]["usage"]["completion_tokens"] == 10
+    http = client(served, "c").completions.create(
+        model=MODEL,
+        prompt="hello from another app",
+        max_tokens=10,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert http.choices[0].text == whole["text"]
+    serve.delete("caller")
+
+
+# ---- metrics (last: the earlier tests produced the samples) -----------------------------------
+
+
+def test_metrics_on_the_metrics_port(served):
+    port = ray.nodes()[0]["MetricsExportPort"]
+    assert port == served["metrics_port"]
+    wanted = [
+        "ray_fairbatch_ttft_seconds_bucket{",
+        "ray_fairbatch_tpot_seconds_bucket{",
+        "ray_fairbatch_e2e_latency_seconds_bucket{",
+        "ray_fairbatch_kv_usage_ratio{",
+        "ray_fairbatch_running_seqs{",
+        "ray_fairbatch_queue_depth{",
+        "ray_fairbatch_tenant_virtual_counter{",
+        "ray_fairbatch_rejections_total{",
+    ]
+
+    def scrape():
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        missing = [w for w in wanted if w not in text]
+        return text if not missing else None
+
+    text = wait_for(scrape, 60, "fairbatch metrics on the metrics port", every=1.0)
+    assert 'tenant="a"' in text and 'tenant="q"' in text
+    assert KEYS["a"] not in text and "quick brown fox" not in text
+    assert 'SessionName="' in text  # the Grafana dashboard filters on it
+
+
+def test_deleting_the_app_stops_the_cluster(served):
+    names = list(replicas())
+    alive = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}
+    assert set(names) <= alive
+    serve.delete("fairbatch")
+
+    def gone():
+        alive = ray.util.list_named_actors(all_namespaces=True)
+        return not [a for a in alive if a["name"].startswith("fbtest-")]
+
+    wait_for(gone, 60, "the cluster's actors to stop", every=1.0)
