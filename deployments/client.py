@@ -48,6 +48,7 @@ class ClusterClient:
         self.max_resubmits = max_resubmits
         self.batch_admissions = batch_admissions  # one call per batch instead of per request
         self._batcher: AdmissionBatcher | None = None
+        self._where: dict[str, Any] = {}  # request id -> the replica holding it now (streams)
 
     def _controller(self) -> Any:
         if isinstance(self.controller, str):
@@ -101,6 +102,7 @@ class ClusterClient:
                     yield StreamItem([], "", True, "error", error=f"admission failed: {e!r}")
                     return
                 replica_id, handle = assignment.replica_id, assignment.replica
+                self._where[meta.request_id] = handle
                 if on_assign is not None:
                     on_assign(assignment)
                 gen = handle.generate.options(num_returns="streaming").remote(meta)
@@ -111,6 +113,7 @@ class ClusterClient:
                             raise RayActorError()
                         if isinstance(item, Moved):
                             replica_id, handle = item.replica_id, item.replica
+                            self._where[meta.request_id] = handle
                             gen = handle.resume.options(num_returns="streaming").remote(
                                 item.migrated
                             )
@@ -137,8 +140,28 @@ class ClusterClient:
                     yield StreamItem([], "", True, "error", replica_id=replica_id, error=repr(e))
                     return
         finally:
+            self._where.pop(meta.request_id, None)
             if not finished:  # the caller went away: free the request wherever it is
                 await self._abandon(meta.request_id, handle)
+
+    async def abort(self, request_id: str, timeout_s: float = 15.0) -> bool:
+        """Cancel a request this client is streaming: the controller drops it (queued or
+        assigned) and the replica holding it now (migrations followed) aborts it, so its stream
+        ends with an "abort" item. True if that replica still had it. Both calls are sent
+        before the first await, so a caller cancelled here cannot stop them."""
+        handle = self._where.get(request_id)
+        try:
+            self._controller().cancel.remote(request_id)
+        except Exception as e:  # the controller is restarting: the replica abort still counts
+            log.info("cancel(%s) not sent: %r", request_id, e)
+        if handle is None:
+            return False
+        try:
+            ref = handle.abort.remote(request_id)
+            return bool(await asyncio.wait_for(ref, timeout=timeout_s))
+        except Exception as e:  # the replica died or stalled: nothing left to free there
+            log.info("abort(%s) on the replica failed: %r", request_id, e)
+            return False
 
     async def _next(self, gen) -> Any:
         try:

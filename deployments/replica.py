@@ -207,28 +207,31 @@ class Replica:
     async def _relay(self, rid: str, stream, num_out: int = 0):
         batch = max(1, self.config.stream_batch)
         tokens: list[int] = []
+        logprobs: list = []  # the sampler's records for `tokens`, when the request asked
         text = ""
         try:
             async for delta in stream:
                 if delta.finish_reason == "moved":
                     if tokens:
-                        yield self._item(tokens, text, False, None)
+                        yield self._item(tokens, text, False, None, logprobs)
                     yield self._moves.pop(rid)
                     return
                 tokens.extend(delta.token_ids)
                 num_out += len(delta.token_ids)
                 text += delta.text
+                if delta.logprobs:
+                    logprobs.extend(delta.logprobs)
                 if delta.finished or len(tokens) >= batch:
-                    yield self._item(tokens, text, delta.finished, delta.finish_reason)
-                    tokens, text = [], ""
+                    yield self._item(tokens, text, delta.finished, delta.finish_reason, logprobs)
+                    tokens, logprobs, text = [], [], ""
         finally:
             self._meta.pop(rid, None)
             self._finished.append((rid, num_out))
             self._changed = True
 
-    def _item(self, tokens: list[int], text: str, finished: bool, reason) -> StreamItem:
-        steps = self.engine.num_steps
-        return StreamItem(list(tokens), text, finished, reason, steps, self.replica_id)
+    def _item(self, tokens: list[int], text: str, done: bool, reason, lps: list) -> StreamItem:
+        steps, lp = self.engine.num_steps, list(lps) or None
+        return StreamItem(list(tokens), text, done, reason, steps, self.replica_id, logprobs=lp)
 
     async def abort(self, request_id: str) -> bool:
         return await self.engine.abort(request_id)

@@ -282,7 +282,6 @@ class ClusterBackend:
             admit_timeout_s=admit_timeout_s,
             item_timeout_s=item_timeout_s,
         )
-        self._where: dict[str, Any] = {}  # request id -> its replica's handle (latest)
         self._metrics = get_metrics() if record_metrics else None
         self._tasks: set[asyncio.Task] = set()
 
@@ -295,9 +294,6 @@ class ClusterBackend:
         tenant: str,
         priority: int = 0,
     ) -> AsyncIterator[RequestDelta]:
-        if params.logprobs is not None:
-            # StreamItem carries no logprobs yet (docs/SERVE.md lists the cluster change).
-            raise ValueError("logprobs are not available from the cluster backend yet")
         timer = RequestTimer(tenant, time.monotonic)
         inner = self.client.generate(
             list(prompt_token_ids),
@@ -305,7 +301,6 @@ class ClusterBackend:
             tenant=tenant,
             priority=priority,
             request_id=request_id,
-            on_assign=lambda a: self._where.__setitem__(request_id, a.replica),
         )
         reason = "abort"
         try:
@@ -313,20 +308,18 @@ class ClusterBackend:
                 timer.tokens_out(len(item.token_ids), item.replica_id)
                 if item.error:
                     log.warning("request_id=%s failed in the cluster: %s", request_id, item.error)
-                logprobs = getattr(item, "logprobs", None)
                 yield RequestDelta(
                     request_id,
                     list(item.token_ids),
                     item.text,
                     item.finished,
                     item.finish_reason,
-                    logprobs,
+                    item.logprobs,
                 )
                 if item.finished:
                     reason = item.finish_reason or "stop"
                     return
         finally:
-            self._where.pop(request_id, None)
             # Closing the client's generator cancels at the controller and aborts on the
             # replica; shielded so a cancelled caller cannot cut that short.
             try:
@@ -336,14 +329,7 @@ class ClusterBackend:
                     timer.record(self._metrics, reason, len(prompt_token_ids))
 
     async def abort(self, request_id: str) -> bool:
-        handle = self._where.get(request_id)
-        self.handles.controller.cancel.remote(request_id)
-        if handle is None:
-            return False
-        try:
-            return bool(await asyncio.wait_for(handle.abort.remote(request_id), UPDATE_TIMEOUT_S))
-        except Exception:
-            return False
+        return await self.client.abort(request_id, timeout_s=UPDATE_TIMEOUT_S)
 
     async def update_tenant(
         self, name: str, weight: float, priority: int, tokens_per_minute: float | None

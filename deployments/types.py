@@ -41,6 +41,9 @@ class StreamItem:
     step: int = 0  # the replica's step count when the last of these tokens came out
     replica_id: str = ""
     error: str | None = None  # with finish_reason "error": what went wrong
+    # one sampler record per token in token_ids, [(sampled_id, lp), (top1_id, lp), ...];
+    # None unless the request asked for logprobs
+    logprobs: list | None = None
 
 
 @dataclass

@@ -9,6 +9,7 @@ replicas) for the whole module. Every wait is bounded.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import socket
 import subprocess
@@ -225,6 +226,34 @@ def test_chat_and_streaming_chat_agree(served):
     assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens > 0
 
 
+def test_logprobs_through_the_cluster(served):
+    """The replicas' sampler records reach the client: per token, the sampled token's logprob
+    and the top-N, whole and streamed, completion and chat shapes."""
+    c = client(served)
+    kw = dict(model=MODEL, prompt="log probs", max_tokens=5, temperature=0, logprobs=2)
+    r = c.completions.create(**kw, extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    for sampled, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert 1 <= len(top) <= 2 and sampled <= 0
+        assert sampled >= max(top.values()) - 1e-4  # greedy: the sampled token is the top-1
+    chunks = list(c.completions.create(**kw, stream=True, extra_body={"ignore_eos": True}))
+    streamed = [t for ch in chunks if ch.choices[0].logprobs for t in ch.choices[0].logprobs.tokens]
+    assert streamed == lp.tokens
+    ch = c.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "x"}],
+        max_tokens=3,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
+    content = ch.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(t.top_logprobs) == 2 for t in content)
+    assert all(t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob for t in content)
+
+
 def test_concurrent_streams_three_tenants(served):
     """Two long "blocker" streams hold both seats (one per replica, no local queue) while 9
     streams queue at the controller, submitted a, a, a, b, b, b, c, c, c. Weighted fair order
@@ -339,6 +368,34 @@ def test_disconnect_frees_kv_blocks(served):
         stats = ray.get(h.stats.remote(), timeout=30)
         decode += stats["tokens"].get("d", (0, 0))[1]
     assert 3 <= decode < max_tokens
+
+
+def test_delete_cancels_a_streaming_request(served):
+    """DELETE /v1/requests/{id} goes through ClusterClient.abort: the replica aborts it, the
+    stream ends with the cancellation error, and the blocks are free."""
+    body = {
+        "model": MODEL,
+        "prompt": "a story cut short by its own author",
+        "max_tokens": 400,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    headers = {"Authorization": f"Bearer {KEYS['d']}"}
+    events: list[dict] = []
+    with httpx.Client(timeout=60) as h:
+        with h.stream("POST", served["base"] + "/v1/completions", json=body, headers=headers) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                events.append(json.loads(line[len("data: ") :]))
+                if len(events) == 2:
+                    rid = events[0]["id"]
+                    d = h.delete(f"{served['base']}/v1/requests/{rid}", headers=headers)
+                    assert d.status_code == 200 and d.json()["cancelled"] is True
+    assert events[-1]["error"]["code"] == "request_cancelled", events[-1]
+    assert len(events) < body["max_tokens"]
+    wait_pools_free()
 
 
 # ---- handles ------------------------------------------------------------------------------------
