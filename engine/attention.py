@@ -148,6 +148,7 @@ class AttentionBackend:
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,  # this step's K, V [T, Hkv, D]
     ) -> torch.Tensor:
         raise NotImplementedError
 
@@ -187,6 +188,7 @@ class TorchAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,  # this step's K, V [T, Hkv, D]
     ) -> torch.Tensor:
         _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
         keys = kv_cache[0].view(-1, head_dim)  # [num_slots * Hkv, D]
@@ -213,6 +215,23 @@ class TorchAttentionBackend(AttentionBackend):
             qd = _fold(q[rows].unsqueeze(1), num_kv_heads, group)  # [b, Hkv, G, D]
             od = F.scaled_dot_product_attention(qd, kd, vd, mask, scale=scale)
             out[rows] = _unfold(od, 1).squeeze(1)  # [b, H, D]
+
+        if plan.fresh and new_kv is None:  # callers without new_kv: read them back by slot
+            slots = meta.slot_mapping
+            new_kv = (
+                kv_cache[0].view(-1, num_kv_heads, head_dim)[slots],
+                kv_cache[1].view(-1, num_kv_heads, head_dim)[slots],
+            )
+        for start, q_len in plan.fresh:
+            # A prompt's first chunk attends only to itself: use this step's K/V as computed
+            # (causal) instead of gathering them back out of the cache.
+            qf = q[start : start + q_len].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
+            kf = new_kv[0][start : start + q_len].transpose(0, 1).unsqueeze(0)  # [1, Hkv, q, D]
+            vf = new_kv[1][start : start + q_len].transpose(0, 1).unsqueeze(0)
+            if group > 1:
+                kf, vf = kf.repeat_interleave(group, 1), vf.repeat_interleave(group, 1)
+            of = F.scaled_dot_product_attention(qf, kf, vf, is_causal=True, scale=scale)
+            out[start : start + q_len] = of[0].transpose(0, 1)  # [q_len, H, D]
 
         for start, q_len, gather, mask in plan.prefills:
             qp = _fold(q[start : start + q_len].unsqueeze(0), num_kv_heads, group)  # [1,Hkv,G*q,D]
@@ -247,8 +266,11 @@ class _TorchPlan:
     # per decode group: batch rows [b], block ids [b * nb] (padded with each sequence's own
     # last block: finite data the mask hides), key mask [b, 1, 1, nb * block_size]
     decode_groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-    # per prefill chunk: first batch row, q_len, gather rows [Hkv * L], mask [G * q_len, L]
+    # per prefill chunk with earlier context: first batch row, q_len, gather rows [Hkv * L],
+    # mask [G * q_len, L]
     prefills: list[tuple[int, int, torch.Tensor, torch.Tensor]]
+    # per prompt chunk with no earlier context (and no window): first batch row, q_len
+    fresh: list[tuple[int, int]]
 
     @classmethod
     def make(
@@ -285,11 +307,14 @@ class _TorchPlan:
             rows = torch.tensor([starts[s] for s in seqs])
             decode_groups.append((rows.to(device), blocks.to(device), mask.to(device)))
 
-        prefills = []
+        prefills, fresh = [], []
         for s, q_len in enumerate(meta.query_lens_cpu):
             if q_len == 1:
                 continue
             seq_len = meta.seq_lens_cpu[s]
+            if seq_len == q_len and window is None:
+                fresh.append((starts[s], q_len))
+                continue
             key_pos = torch.arange(seq_len, device=device)  # [L]
             slots = _slots(tables[s : s + 1], key_pos[None, :], block_size)  # [1, L]
             gather = (slots * num_kv_heads + heads).view(-1)  # [Hkv * L]
@@ -297,7 +322,7 @@ class _TorchPlan:
             mask = _visible(key_pos[None, :], q_pos, window)  # [q_len, L]
             mask = mask.repeat(group, 1)  # [G * q_len, L]: folded row g * q_len + i is query i
             prefills.append((starts[s], q_len, gather, mask))
-        return cls(decode_groups, prefills)
+        return cls(decode_groups, prefills, fresh)
 
 
 def _slots(tables: torch.Tensor, pos: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -376,6 +401,7 @@ class FlashAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,  # this step's K, V [T, Hkv, D]
     ) -> torch.Tensor:
         self.check_block_size(kv_cache.shape[2])
         kwargs: dict[str, Any] = {}

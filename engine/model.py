@@ -115,7 +115,8 @@ class Attention(nn.Module):
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         # Write first: attention reads this step's keys back from the cache with the context.
         backend.write_kv(k, v, kv_cache, meta.slot_mapping)
-        out = backend.forward(q, kv_cache, meta, self.scale, self.sliding_window)  # [T, H, D]
+        # [T, H, D]; the new K/V go along so a backend may skip re-reading a fresh prompt's
+        out = backend.forward(q, kv_cache, meta, self.scale, self.sliding_window, new_kv=(k, v))
         return self.o_proj(out.reshape(t, self.q_size))  # [T, hidden]
 
 
