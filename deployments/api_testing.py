@@ -11,12 +11,36 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
+import time
 from collections.abc import Coroutine
 from typing import Any
 
 import uvicorn
 
 START_TIMEOUT_S = 30.0
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(pred, timeout_s: float, what: str, every: float = 0.25):
+    """Poll `pred()` until it returns something truthy (returned) or `timeout_s` passes
+    (AssertionError naming `what` and the last result or exception)."""
+    deadline = time.monotonic() + timeout_s
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            last = pred()
+            if last:
+                return last
+        except Exception as e:  # not up yet
+            last = e
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}: {last!r}")
 
 
 class ServerLoop:

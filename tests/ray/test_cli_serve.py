@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -15,16 +14,12 @@ from pathlib import Path
 import httpx
 import pytest
 
+from fairbatch.deployments.api_testing import free_port
+
 openai = pytest.importorskip("openai")
 
 START_TIMEOUT_S = 240
 STOP_TIMEOUT_S = 90
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_fairbatch_serve_starts_answers_and_stops_on_ctrl_c():

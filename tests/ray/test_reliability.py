@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import statistics
 import threading
 import time
@@ -34,6 +33,7 @@ ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
 from ray.exceptions import RayActorError  # noqa: E402
 
+from fairbatch.deployments.api_testing import free_port, wait_for  # noqa: E402
 from fairbatch.deployments.app import build_app  # noqa: E402
 from fairbatch.deployments.serve_cluster import NAMESPACE  # noqa: E402
 from fairbatch.engine.tokenizer import Tokenizer  # noqa: E402
@@ -52,26 +52,6 @@ OVERLOAD_FACTOR = 10.0
 OVERLOAD_CLIENTS = 64  # concurrent async clients at most
 OVERLOAD_CAP = int(80 * OVERLOAD_S) + 200  # hard cap on requests offered
 SHORT = 32  # tokens of an overload-phase request (~1.8 s of a seat)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for(pred, timeout_s: float, what: str, every: float = 0.25):
-    deadline = time.monotonic() + timeout_s
-    last = None
-    while time.monotonic() < deadline:
-        try:
-            last = pred()
-            if last:
-                return last
-        except Exception as e:  # not up yet
-            last = e
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}: {last!r}")
 
 
 def app_args() -> dict:

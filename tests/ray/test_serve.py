@@ -11,10 +11,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -25,6 +23,7 @@ openai = pytest.importorskip("openai")
 ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
 
+from fairbatch.deployments.api_testing import free_port, wait_for  # noqa: E402
 from fairbatch.deployments.app import ConfigError, parse_app_args, read_args_file  # noqa: E402
 from fairbatch.deployments.handle_api import HandleRejected  # noqa: E402
 from fairbatch.engine.tokenizer import Tokenizer  # noqa: E402
@@ -37,26 +36,6 @@ WEIGHTS = {"a": 1.0, "b": 2.0, "c": 4.0}
 ADMIN = "sk-admin"
 MODEL = "fairbatch-tiny"
 DEPLOY_TIMEOUT_S = 240
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for(pred, timeout_s: float, what: str, every: float = 0.25):
-    deadline = time.monotonic() + timeout_s
-    last = None
-    while time.monotonic() < deadline:
-        try:
-            last = pred()
-            if last:
-                return last
-        except Exception as e:  # not up yet
-            last = e
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}: {last!r}")
 
 
 def app_args() -> dict:
