@@ -108,7 +108,6 @@ def build_engine(
     gen = torch.Generator(device=dev).manual_seed(seed)
     runner = ModelRunner(m, cache, Sampler(generator=gen))
     engine = EngineCore(scheduler, runner, tok, eos)
-    engine.model_config = config
     return engine
 
 
