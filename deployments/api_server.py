@@ -412,6 +412,27 @@ def create_app(
             "rejected": reg.rejected_total,
         }
 
+    @app.get("/admin/stats")
+    async def stats(request: Request) -> dict:
+        """The engines' counters (preemptions, swaps, prefix hits, occupancy) and the API's
+        own (rejections, in flight): what a benchmark reads before and after a run."""
+        api.require_admin(request)
+        engine: dict = {}
+        get = getattr(api.backend, "stats", None)
+        if get is not None:
+            try:
+                engine = await maybe_await(get())
+            except Exception:
+                log.error("backend stats failed", exc_info=True)
+                raise ApiError(503, "the backend did not answer", type="server_error") from None
+        reg = api.registry
+        return {
+            "object": "stats",
+            "engine": engine,
+            "rejected": reg.rejected_total,
+            "in_flight": reg.total_in_flight,
+        }
+
     @app.patch("/admin/tenants/{name}")
     async def patch_tenant(name: str, request: Request) -> dict:
         api.require_admin(request)

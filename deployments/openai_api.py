@@ -26,6 +26,8 @@ Backend protocol (duck-typed; only `generate`, `abort`, `tokenizer`, `max_model_
   tenant's complete new settings, called at app start-up for every configured tenant and on
   every admin change. `tokens_per_minute` None = unlimited.
 * optional `check_health()` (sync or async) -> bool: False or an exception makes /health 503.
+* optional `stats()` (sync or async) -> dict: the engines' counters (`EngineCore.stats()`
+  keys, summed over replicas), served to the admin at GET /admin/stats.
 """
 
 from __future__ import annotations
@@ -112,6 +114,9 @@ class LocalBackend:
         # class (a second bucket in the scheduler would throttle already admitted streams).
         policy = self.engine.engine.scheduler.policy
         await self.engine.call(policy.update_tenant, name, weight=weight, priority=priority)
+
+    async def stats(self) -> dict:
+        return await self.engine.call(self.engine.engine.stats)
 
     def check_health(self) -> bool:
         return getattr(self.engine, "_error", None) is None

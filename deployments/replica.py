@@ -308,6 +308,7 @@ class Replica:
                 "swapped": len(s.swapped),
                 "preemptions": dict(s.num_preemptions),
                 "imported_kv_blocks": self.num_imported_kv_blocks,
+                "engine": self.core.stats(),
             }
 
         return await self.engine.call(run)

@@ -346,4 +346,32 @@ class ClusterBackend:
         return True
 
     async def stats(self) -> dict:
-        return await asyncio.wait_for(self.handles.controller.stats.remote(), UPDATE_TIMEOUT_S)
+        """The replicas' engine counters summed (`EngineCore.stats()` keys), plus the
+        controller's own view under "controller"."""
+
+        async def gather() -> dict:
+            controller = await self.handles.controller.stats.remote()
+            handles = await self.handles.controller.replica_handles.remote()
+            replicas = await asyncio.gather(*(h.stats.remote() for h in handles.values()))
+            total = sum_engine_stats([r["engine"] for r in replicas])
+            total["replicas"] = len(replicas)
+            total["controller"] = controller
+            return total
+
+        return await asyncio.wait_for(gather(), UPDATE_TIMEOUT_S)
+
+
+def sum_engine_stats(stats: list[dict]) -> dict:
+    """Counters and occupancies added up; `kv_usage` averaged."""
+    total: dict = {}
+    for s in stats:
+        for key, value in s.items():
+            if isinstance(value, dict):
+                inner = total.setdefault(key, {})
+                for k, v in value.items():
+                    inner[k] = inner.get(k, 0) + v
+            else:
+                total[key] = total.get(key, 0) + value
+    if stats:
+        total["kv_usage"] = total.get("kv_usage", 0.0) / len(stats)
+    return total

@@ -117,6 +117,24 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
 
+    def stats(self) -> dict:
+        """Cumulative counters and current occupancy (what a benchmark reads before and after)."""
+        s = self.scheduler
+        cache = getattr(self.runner, "cache", None)
+        pool = s.kv.gpu_pool
+        return {
+            "preemptions": dict(s.num_preemptions),
+            "swapped_blocks": dict(s.num_swapped_blocks),
+            "swapped_bytes": dict(cache.bytes_swapped)
+            if cache is not None
+            else {"in": 0, "out": 0},
+            "prefix_hit_tokens": s.num_prefix_hit_tokens,
+            "running": len(s.running),
+            "waiting": s.num_waiting,
+            "swapped": len(s.swapped),
+            "kv_usage": 1.0 - s.kv.num_free_blocks / max(pool.num_blocks, 1),
+        }
+
     # ---- the step ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestDelta]:

@@ -505,3 +505,29 @@ def test_overload_every_request_ends_with_tokens_or_retry_after(env):
         503
     )
     wait_for(lambda: engine_idle(env), "the engine to go idle")
+
+
+def test_admin_stats_count_prefix_hits_of_a_repeated_prompt(env, main_app):
+    _, url = main_app
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    assert (
+        httpx.get(f"{url}/admin/stats", headers={"Authorization": "Bearer key-gold"}).status_code
+        == 401
+    )
+    wait_for(lambda: engine_idle(env), "an idle engine")
+    before = httpx.get(f"{url}/admin/stats", headers=admin).json()
+    prompt = "the same long system prompt, sent twice by one tenant " * 4
+    c = client(url, KEYS["gold"])
+    first = c.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+    c.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+    after = httpx.get(f"{url}/admin/stats", headers=admin).json()
+    n = first.usage.prompt_tokens
+    block = 16  # build_engine's default block size
+    # The second request finds every full block of its prompt but the one holding its last
+    # token (at least one token is always computed).
+    hits = (n - 1) // block * block
+    assert after["object"] == "stats"
+    assert after["engine"]["prefix_hit_tokens"] - before["engine"]["prefix_hit_tokens"] == hits
+    assert hits >= 2 * block
+    assert after["engine"]["preemptions"] == before["engine"]["preemptions"]
+    assert after["engine"]["running"] == 0 and after["in_flight"] == 0
