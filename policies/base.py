@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from types import EllipsisType
 from typing import TYPE_CHECKING, ClassVar
@@ -246,6 +246,32 @@ class Policy:
                 level = bucket.consume(prefill_tokens + decode_tokens, now)
                 if level <= 0 and tenant not in self._throttled:
                     self._throttle(tenant, bucket, now)
+
+    def charge_step(self, prefill: Mapping[str, int], decode: Mapping[str, int]) -> None:
+        """`charge` for every tenant of one step (tenant -> tokens), in one call: the scheduler
+        charges up to one tenant per running request each step, so this loop is hot."""
+        specs = self._specs
+        service = self._service
+        counters = self._counters
+        wi, wo = self.input_weight, self.output_weight
+        for tenant in prefill.keys() | decode.keys() if prefill else decode:
+            spec = specs.get(tenant) or self.tenant(tenant)
+            p = prefill.get(tenant, 0)
+            d = decode.get(tenant, 0)
+            cost = wi * p + wo * d
+            service[tenant] += cost
+            counters[tenant] += cost / spec.weight
+        if self._order_uses_counters:
+            self._stale = True
+        if self._buckets:
+            for tenant in prefill.keys() | decode.keys():
+                bucket = self._buckets.get(tenant)
+                if bucket is not None:
+                    now = self._clock()
+                    tokens = prefill.get(tenant, 0) + decode.get(tenant, 0)
+                    level = bucket.consume(tokens, now)
+                    if level <= 0 and tenant not in self._throttled:
+                        self._throttle(tenant, bucket, now)
 
     def counters(self) -> dict[str, float]:
         """Virtual counters per tenant (a copy)."""

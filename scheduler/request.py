@@ -46,6 +46,7 @@ class Request:
         "output_token_ids",
         "all_token_ids",
         "max_tokens",
+        "max_num_tokens",
         "stop_token_ids",
         "arrival_time",
         "cache_salt",
@@ -82,6 +83,9 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids = list(prompt_token_ids)  # prompt + output, the cache's view
         self.max_tokens = max_tokens
+        # prompt + output length at which the request ends; the scheduler lowers it to its
+        # context limit when it adopts the request
+        self.max_num_tokens = self.num_prompt_tokens + max_tokens
         self.stop_token_ids = frozenset(stop_token_ids)
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         # Prefix-cache salt: blocks are shared only between requests with the same salt.

@@ -15,6 +15,7 @@ keeps a freed GPU block from being both a swap-out source and a swap-in target i
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
 
 from fairbatch.kv.manager import KVCacheManager
@@ -57,6 +58,9 @@ class Scheduler:
             )
         self._seq += 1
         request.seq = self._seq
+        request.max_num_tokens = min(
+            request.num_prompt_tokens + request.max_tokens, self.max_model_len
+        )
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.policy.enqueue(request)
@@ -274,11 +278,10 @@ class Scheduler:
         new_tokens = dict(sampled)
         finished: dict[str, str] = {}
         prefill: dict[str, int] = {}
-        decode: dict[str, int] = {}
+        decoded: list[str] = []  # the tenant of every sampled token
         num_scheduled = scheduler_output.num_scheduled_tokens
         bs = self.kv.block_size
         caching = self.kv.enable_prefix_caching
-        max_len = self.max_model_len
         running = RequestStatus.RUNNING
         for request in scheduler_output.scheduled:
             rid = request.request_id
@@ -289,35 +292,29 @@ class Scheduler:
             after = request.num_computed_tokens = before + num_scheduled[rid]
             if caching and after // bs != before // bs:
                 self.kv.cache_computed_blocks(request)
-            if request.num_prompt_charged < request.num_prompt_tokens:
+            charged = request.num_prompt_charged
+            if charged < request.num_prompt_tokens:
                 new_prompt = min(after, request.num_prompt_tokens)
-                if new_prompt > request.num_prompt_charged:
+                if new_prompt > charged:
                     t = request.tenant
-                    prefill[t] = prefill.get(t, 0) + new_prompt - request.num_prompt_charged
+                    prefill[t] = prefill.get(t, 0) + new_prompt - charged
                     request.num_prompt_charged = new_prompt
             token = sampled.get(rid)
             if token is None:
                 continue  # a prefill chunk that did not reach the end of the prompt
             request.output_token_ids.append(token)
-            request.all_token_ids.append(token)
-            t = request.tenant
-            decode[t] = decode.get(t, 0) + 1
+            all_ids = request.all_token_ids
+            all_ids.append(token)
+            decoded.append(request.tenant)
             if token in request.stop_token_ids:
                 status = RequestStatus.FINISHED_STOPPED
-            elif (
-                len(request.output_token_ids) >= request.max_tokens
-                or len(request.all_token_ids) >= max_len
-            ):
+            elif len(all_ids) >= request.max_num_tokens:  # max_tokens or the context limit
                 status = RequestStatus.FINISHED_LENGTH
             else:
                 continue
             self._finish(request, status)
             finished[rid] = FINISH_REASONS[status]
-        charge = self.policy.charge
-        for tenant, n in decode.items():
-            charge(tenant, prefill.pop(tenant, 0), n)
-        for tenant, n in prefill.items():
-            charge(tenant, n, 0)
+        self.policy.charge_step(prefill, Counter(decoded))
         return StepUpdates(new_tokens, finished)
 
     # ---- hooks for the cluster controller ---------------------------------------------------
@@ -361,6 +358,9 @@ class Scheduler:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         self._seq += 1
         request.seq = self._seq
+        request.max_num_tokens = min(
+            request.num_prompt_tokens + request.max_tokens, self.max_model_len
+        )
         self.requests[request.request_id] = request
         if num_swapped_blocks:
             cpu_ids = self.kv.import_swapped(request, num_swapped_blocks)

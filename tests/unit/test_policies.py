@@ -648,3 +648,35 @@ def check_against_model(p: Policy, model: Model) -> None:
     ranks = [p.rank(item[0]) for item in model.queued if model.eligible(item[0].tenant)]
     if head is not None:
         assert p.rank(head) == min(ranks)
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_charge_step_equals_one_charge_per_tenant(name: str) -> None:
+    """The scheduler's batched charge gives the same counters, service, quota levels and
+    throttling as one `charge` per tenant."""
+    specs = [
+        TenantSpec("a", weight=2.0),
+        TenantSpec("b", weight=0.5, tokens_per_minute=60),
+        TenantSpec("c", tokens_per_minute=600),
+    ]
+    clock_one, clock_batch = FakeClock(), FakeClock()
+    one = make_policy(name, specs, clock=clock_one)
+    batch = make_policy(name, specs, clock=clock_batch)
+    steps = [
+        ({"a": 16, "b": 40}, {"a": 3, "c": 5}),
+        ({}, {"a": 1, "b": 30, "c": 1, "new": 2}),  # b goes into debt; "new" is registered
+        ({"new": 7}, {}),
+    ]
+    for i, (prefill, decode) in enumerate(steps):
+        clock_one.now = clock_batch.now = float(i)
+        for tenant in sorted(prefill.keys() | decode.keys()):
+            one.charge(tenant, prefill.get(tenant, 0), decode.get(tenant, 0))
+        batch.charge_step(prefill, decode)
+        assert batch.counters() == pytest.approx(one.counters())
+        assert batch.service() == pytest.approx(one.service())
+        for t in ("a", "b", "c", "new"):
+            assert batch.quota_eligible(t) == one.quota_eligible(t)
+            assert batch.retry_after(t) == pytest.approx(one.retry_after(t))
+    assert not batch.quota_eligible("b")  # 70 tokens against a 60-token bucket
+    assert batch.service()["a"] == pytest.approx(16 + 2 * 3 + 2 * 1)
+    assert batch.counters()["b"] == pytest.approx((40 + 2 * 30) / 0.5)
