@@ -204,14 +204,23 @@ class Policy:
         self._stale = True
         return entry.req
 
-    def remove(self, req: Request) -> bool:
-        """Take `req` out of the queue (by request_id); False if it was not queued."""
+    def remove(self, req: Request, *, served: bool = False) -> bool:
+        """Take `req` out of the queue (by request_id); False if it was not queued.
+
+        `served=True` says it leaves to run, as `pop` does for the head (the scheduler admits
+        by `remove` because a victim requeued during the step may have become the head): the
+        order then moves on as after a pop (round robin to the next tenant). Otherwise it is
+        a cancellation and the order's position stays.
+        """
         entry = self._entries.pop(req.request_id, None)
         if entry is None:
             return False
         entry.alive = False
         assert entry.order is not None
-        entry.order.discard(entry)
+        if served:
+            entry.order.taken(entry)
+        else:
+            entry.order.discard(entry)
         self._stale = True
         return True
 

@@ -211,7 +211,7 @@ class Scheduler:
                 budget = self.config.max_num_batched_tokens - out.total_num_scheduled_tokens
                 continue
             # remove, not pop: a victim requeued ahead of it must not take its place
-            policy.remove(request)
+            policy.remove(request, served=True)
             request.num_computed_tokens += num_cached_tokens
             self.num_prefix_hit_tokens += num_cached_tokens
             request.status = RequestStatus.RUNNING

@@ -407,3 +407,29 @@ def test_pure_python_modules_import_without_torch_or_ray():
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize(
+    "policy, expected",
+    [
+        # one seat: each admission goes to the next backlogged tenant in the cycle
+        ("round_robin", ["a1", "b1", "a2", "b2", "a3", "b3", "a4", "a5"]),
+        ("fcfs", ["a1", "a2", "a3", "a4", "a5", "b1", "b2", "b3"]),
+    ],
+)
+def test_admission_order_follows_the_policy(policy: str, expected: list[str]) -> None:
+    """Admission takes the policy's head by `remove(served=True)`: round robin must move on to
+    the next tenant after every admission (it starved b when admissions didn't count as served)."""
+    sched = make_sched(
+        num_blocks=64, policy=policy, tenants=[TenantSpec("a"), TenantSpec("b")], max_num_seqs=1
+    )
+    runner = FakeRunner(VOCAB)
+    for name in ["a1", "a2", "a3", "a4", "a5", "b1", "b2", "b3"]:
+        sched.add_request(Request(name, [1, 2, 3], max_tokens=2, tenant=name[0]))
+    admitted: list[str] = []
+    for _ in range(100):
+        if not sched.has_unfinished:
+            break
+        out, _ = step(sched, runner)
+        admitted += [r.request_id for r in out.scheduled if r.request_id not in admitted]
+    assert admitted == expected
