@@ -84,6 +84,7 @@ def build_engine(
         config.head_dim,
         block_size,
         param_dtype,
+        head_major=m.attn_backend(dev, param_dtype).head_major,
     )
     if num_gpu_blocks is None:
         budget = (

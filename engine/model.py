@@ -103,7 +103,7 @@ class Attention(nn.Module):
         self,
         rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin [T, 1, D]
         x: torch.Tensor,  # [T, hidden]
-        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+        kv_cache: torch.Tensor,  # [2, num_blocks, ...]: the backend's kv_cache_shape
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
@@ -187,9 +187,12 @@ class LlamaForCausalLM(nn.Module):
         )
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        """Shape of ONE layer's cache; allocate `num_hidden_layers` of them."""
+        """Shape of ONE layer's cache for this model's attention backend (on the weights'
+        device and dtype); allocate `num_hidden_layers` of them."""
         c = self.config
-        return (2, num_blocks, block_size, c.num_key_value_heads, c.head_dim)
+        p = next(self.parameters())
+        backend = self.attn_backend(p.device, p.dtype)
+        return backend.kv_cache_shape(num_blocks, block_size, c.num_key_value_heads, c.head_dim)
 
     def attn_backend(self, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
         if self._backend is None:

@@ -26,6 +26,9 @@ class KVLayout:
     head_dim: int
     block_size: int
     dtype: torch.dtype
+    # Inside a block [num_kv_heads, block_size, head_dim] (the torch attention backend's order)
+    # rather than [block_size, num_kv_heads, head_dim] (flash's); copies never look inside.
+    head_major: bool = False
 
     @property
     def bytes_per_block(self) -> int:
@@ -37,14 +40,10 @@ class KVLayout:
         return self.bytes_per_block // self.block_size
 
     def shape(self, num_blocks: int) -> tuple[int, ...]:
-        return (
-            self.num_layers,
-            2,
-            num_blocks,
-            self.block_size,
-            self.num_kv_heads,
-            self.head_dim,
-        )
+        inner = (self.block_size, self.num_kv_heads)
+        if self.head_major:
+            inner = inner[::-1]
+        return (self.num_layers, 2, num_blocks, *inner, self.head_dim)
 
 
 def num_blocks_for_budget(layout: KVLayout, budget_bytes: int) -> int:
@@ -84,7 +83,7 @@ class CacheEngine:
         self.bytes_swapped = {"in": 0, "out": 0}
 
     def layer_caches(self) -> list[torch.Tensor]:
-        """Per layer `[2, num_gpu_blocks, block_size, num_kv_heads, head_dim]` views."""
+        """Per layer `[2, num_gpu_blocks, ...]` views (block inner order: see KVLayout)."""
         return list(self.gpu_cache.unbind(0))
 
     # ---- swaps ------------------------------------------------------------------------------

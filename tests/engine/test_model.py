@@ -174,8 +174,8 @@ def test_torch_backend_matches_dense_reference(window: int | None) -> None:
     vs = [torch.randn(n, kv_heads, dim, generator=gen) for n in seq_lens]
     free = torch.randperm(num_blocks, generator=gen).tolist()
     tables = [[free.pop() for _ in range(math.ceil(n / block_size))] for n in seq_lens]
-    cache = torch.full((2, num_blocks, block_size, kv_heads, dim), POISON)
     backend = get_attn_backend("torch", "cpu")
+    cache = torch.full(backend.kv_cache_shape(num_blocks, block_size, kv_heads, dim), POISON)
     # The earlier context goes in as a previous step; this step's tokens through its metadata.
     ctx = [n - q for n, q in zip(seq_lens, q_lens)]
     done = [(i, c) for i, c in enumerate(ctx) if c]
@@ -347,3 +347,19 @@ def test_loader_errors(tmp_path: Path, qwen2_ckpt: Path, llama3_ckpt: Path) -> N
     (alien / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="unsupported architecture"):
         load_hf_model(alien)
+
+
+def test_torch_backend_cache_is_head_major_inside_a_block() -> None:
+    """write_kv puts token t of the step at cache[0|1][block, head, offset]; the flash layout
+    (block, offset, head) is the other backend's."""
+    backend = get_attn_backend("torch", "cpu")
+    assert backend.kv_cache_shape(5, 4, 2, 3) == (2, 5, 2, 4, 3)
+    cache = torch.zeros(backend.kv_cache_shape(5, 4, 2, 3))
+    meta, _ = AttentionMetadata.build([3], [3], [[2]], block_size=4)  # slots 8, 9, 10
+    key = torch.arange(3 * 2 * 3, dtype=torch.float32).view(3, 2, 3)
+    backend.write_kv(key, -key, cache, meta.slot_mapping)
+    for t in range(3):
+        for h in range(2):
+            assert torch.equal(cache[0, 2, h, t], key[t, h])
+            assert torch.equal(cache[1, 2, h, t], -key[t, h])
+    assert cache[:, [0, 1, 3, 4]].abs().sum() == 0 and cache[:, 2, :, 3].abs().sum() == 0
