@@ -42,6 +42,171 @@ def _bench_cluster(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_serve(args: argparse.Namespace) -> int:
+    from fairbatch.benchmarks import serve_bench
+
+    return serve_bench.main(args)
+
+
+# ---- bench serve: argument types (workload specs are checked by serve_workload, lazily) -------
+
+
+def _arg_error(fn):
+    """Turn a ValueError from `fn` into an argparse error (exit code 2, one line)."""
+
+    def convert(text: str):
+        try:
+            return fn(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    convert.__name__ = fn.__name__  # argparse names the type in its message
+    return convert
+
+
+def _positive(kind: type):
+    def positive(text: str):
+        value = kind(text)
+        if not value > 0:
+            raise ValueError(f"must be > 0, got {text}")
+        return value
+
+    positive.__name__ = f"positive {kind.__name__}"
+    return _arg_error(positive)
+
+
+@_arg_error
+def _length_spec(text: str) -> str:
+    from fairbatch.benchmarks.serve_workload import parse_lengths
+
+    parse_lengths(text)
+    return text
+
+
+@_arg_error
+def _shared_prefix(text: str) -> tuple[int, int]:
+    parts = text.split(",")
+    if len(parts) != 2 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"expected GROUPS,PREFIX_LEN (two positive integers), got {text!r}")
+    return int(parts[0]), int(parts[1])
+
+
+@_arg_error
+def _tenant_list(text: str) -> list[dict]:
+    """NAME[:WEIGHT[:PRIORITY[:TOKENS_PER_MINUTE]]],... -> one dict per tenant."""
+    tenants = []
+    for item in text.split(","):
+        parts = item.strip().split(":")
+        if not parts[0] or len(parts) > 4:
+            raise ValueError(f"expected NAME[:WEIGHT[:PRIORITY[:TPM]]], got {item!r}")
+        t: dict = {"name": parts[0]}
+        try:
+            if len(parts) > 1 and parts[1]:
+                t["weight"] = float(parts[1])
+            if len(parts) > 2 and parts[2]:
+                t["priority"] = int(parts[2])
+            if len(parts) > 3 and parts[3]:
+                t["tokens_per_minute"] = float(parts[3])
+        except ValueError:
+            raise ValueError(f"bad number in tenant {item!r}") from None
+        if t.get("weight", 1.0) <= 0 or t.get("tokens_per_minute", 1.0) <= 0:
+            raise ValueError(f"weight and tokens per minute must be > 0 in {item!r}")
+        tenants.append(t)
+    names = [t["name"] for t in tenants]
+    if len(set(names)) != len(names):
+        raise ValueError(f"duplicate tenant names in {text!r}")
+    return tenants
+
+
+def _add_bench_serve(bench_sub: argparse._SubParsersAction) -> None:
+    srv = bench_sub.add_parser(
+        "serve",
+        help="load generator against an OpenAI-compatible server (fairbatch or a peer)",
+        description="Send a workload to an OpenAI-compatible server (by default a local fairbatch "
+        "server started for the run), measure latency, throughput and fairness, write "
+        "OUT/result.json and PNG plots. See docs/BENCHMARKS.md.",
+    )
+    g = srv.add_argument_group("target")
+    g.add_argument("--url", help="base URL of a running server (default: start a local one)")
+    g.add_argument("--model", help="model id to request (default: the server's first model)")
+    g.add_argument("--api-key", help="bearer key for every tenant (peers, single-tenant runs)")
+    g.add_argument("--keys", help="JSON or YAML file mapping tenant name -> API key")
+    g.add_argument("--admin-key", help="admin key to read /admin/stats (fairbatch)")
+    g.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos")
+    g.add_argument(
+        "--no-priority-field", action="store_true", help="do not send a request's priority"
+    )
+    g.add_argument("--timeout", type=_positive(float), default=300.0, help="per request, s")
+    g.add_argument(
+        "--max-drain",
+        type=_positive(float),
+        metavar="S",
+        help="stop S seconds after the last arrival; requests still running are cut off "
+        "(recorded as such) - bounds an overloaded run (default: wait for all)",
+    )
+    g = srv.add_argument_group("local server (without --url)")
+    g.add_argument(
+        "--policy",
+        choices=["fcfs", "round_robin", "weighted_fair", "priority"],
+        default="weighted_fair",
+    )
+    g.add_argument("--max-num-seqs", type=_positive(int), default=16)
+    g.add_argument(
+        "--num-gpu-blocks",
+        type=_positive(int),
+        help="KV blocks of 16 tokens (default 1024; 64 for --compare preemption)",
+    )
+    g.add_argument("--preemption-mode", choices=["auto", "swap", "recompute"], default="auto")
+    g = srv.add_argument_group("workload: a named scenario")
+    g.add_argument(
+        "--scenario",
+        help="vtc_overload, vtc_on_off, vtc_length_shift, weighted, "
+        "priority_burst, quota_limited, shared_prefix",
+    )
+    g.add_argument("--capacity", type=_positive(float), help="requests/s (default: measured)")
+    g.add_argument("--duration", type=_positive(float), default=60.0, help="scenario length, s")
+    g.add_argument("--scale", type=_positive(float), default=1.0, help="scenario length scale")
+    g = srv.add_argument_group("workload: custom (instead of --scenario)")
+    g.add_argument("--num-prompts", type=_positive(int), help="requests (default 64)")
+    g.add_argument("--rate", type=_positive(float), help="requests/s; inf = all at once")
+    g.add_argument("--process", choices=["poisson", "gamma"], help="arrivals (default poisson)")
+    g.add_argument("--burstiness", type=_positive(float), help="gamma shape (1 = poisson)")
+    g.add_argument(
+        "--concurrency", type=_positive(int), help="fixed concurrency (arrival times ignored)"
+    )
+    g.add_argument(
+        "--input-len",
+        type=_length_spec,
+        help="fixed:N | uniform:LO-HI | lognormal:MEAN,SIGMA (default uniform:32-256)",
+    )
+    g.add_argument(
+        "--output-len", type=_length_spec, help="as --input-len (default uniform:16-128)"
+    )
+    g.add_argument(
+        "--sharegpt", type=_positive(float), metavar="SCALE", help="ShareGPT-like lognormal lengths"
+    )
+    g.add_argument(
+        "--shared-prefix",
+        type=_shared_prefix,
+        metavar="G,L",
+        help="G system prompts of L tokens, each reused by 1/G of the requests",
+    )
+    g.add_argument("--tenants", type=_tenant_list, help="NAME[:WEIGHT[:PRIORITY[:TPM]]],...")
+    g.add_argument("--seed", type=int, default=0)
+    g = srv.add_argument_group("metrics and output")
+    g.add_argument("--slo-ttft", type=_positive(float), metavar="MS", help="goodput SLO: TTFT")
+    g.add_argument("--slo-tpot", type=_positive(float), metavar="MS", help="goodput SLO: TPOT")
+    g.add_argument("--slo-e2e", type=_positive(float), metavar="MS", help="goodput SLO: e2e")
+    g.add_argument("--out", help="output directory (default serve-bench/<UTC time>)")
+    g.add_argument("--no-plots", action="store_true")
+    g.add_argument("--no-progress", action="store_true")
+    g = srv.add_argument_group("comparisons (each in one command)")
+    g.add_argument("--compare", choices=["policies", "priority", "preemption", "summary"])
+    g.add_argument("--engine-json", default="docs/results/engine.json", help="for summary")
+    g.add_argument("--cluster-json", help="for summary: `fairbatch bench cluster --json` output")
+    srv.set_defaults(func=_bench_serve, parser=srv)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fairbatch", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -79,6 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="also measure admissions/s through the controller actor on a local Ray",
     )
     clu.set_defaults(func=_bench_cluster)
+    _add_bench_serve(bench_sub)
 
     from fairbatch.deployments import serve_cli  # stdlib-only at import: start-up stays fast
 
