@@ -90,15 +90,16 @@ class SimReplica:
         self.core = EngineCore(Scheduler(cfg, kv, make_policy(policy, specs)), self.runner)
         self.ledger: dict[str, list[int]] = {}
         policy_obj = self.core.scheduler.policy
-        charge = policy_obj.charge
+        charge_step = policy_obj.charge_step
 
-        def recorded(tenant: str, prefill: int, decode: int) -> None:
-            charge(tenant, prefill, decode)
-            row = self.ledger.setdefault(tenant, [0, 0])
-            row[0] += prefill
-            row[1] += decode
+        def recorded(prefill: dict[str, int], decode: dict[str, int]) -> None:
+            # the scheduler's one charge per step: record prefill and decode apart
+            charge_step(prefill, decode)
+            for i, tokens in ((0, prefill), (1, decode)):
+                for tenant, n in tokens.items():
+                    self.ledger.setdefault(tenant, [0, 0])[i] += n
 
-        policy_obj.charge = recorded
+        policy_obj.charge_step = recorded
         self.finished: list[tuple[str, int]] = []
         self.seq = 0
         self.next_report = 0.0

@@ -6,6 +6,10 @@ carries out the actions that frees slots allow (assign, preempt, migrate). State
 restart is rebuilt from the replicas' next reports (they carry cumulative service and the
 requests each replica holds); callers parked in `admit()` are retried by Ray
 (`max_task_retries=-1`: admit is idempotent per request id).
+
+Given a `ReplicaSet`, the controller also owns the replicas' lifecycle (`replica_set.py`): it
+creates them (`ensure_replicas`), replaces one it has confirmed dead, and stops them on purpose
+(`retire_replica`, `shutdown_replicas`) without replacing them.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from fairbatch.deployments.fairness import (
     Migrate,
     Preempt,
 )
+from fairbatch.deployments.replica import ReplicaConfig
+from fairbatch.deployments.replica_set import RayLauncher, ReplicaSet, ReplicaSpec, Supervisor
 from fairbatch.deployments.types import Assignment, ReplicaReport, RequestMeta
 
 log = logging.getLogger(__name__)
@@ -34,8 +40,9 @@ class Controller:
     # A replica silent this long (reports carry a heartbeat every 0.5 s) is pinged, and dropped
     # if the ping fails, so a replica that died idle stops receiving requests.
     silent_after_s = 5.0
+    reconcile_every_s = 2.0  # the replica set is checked against its slots this often
 
-    def __init__(self, config: ControllerConfig) -> None:
+    def __init__(self, config: ControllerConfig, replicas: ReplicaSet | None = None) -> None:
         self.config = config
         self.core = FairnessCore(config)
         self.handles: dict[str, Any] = {}
@@ -48,11 +55,17 @@ class Controller:
         self._owner: dict[str, str] = {}  # request id -> subscriber waiting for it
         self._last_report: dict[str, float] = {}  # replica id -> monotonic time of last report
         self._watchdog: asyncio.Task | None = None
+        self._dead: set[str] = set()  # confirmed dead and fenced: their late reports are ignored
+        self.supervisor: Supervisor | None = None  # None: replicas are someone else's business
+        if replicas is not None:
+            launcher = RayLauncher(replicas)
+            self.supervisor = Supervisor(replicas, launcher, self._is_up, self._replica_config)
 
     # ---- clients ----------------------------------------------------------------------------
 
     async def admit(self, meta: RequestMeta) -> Assignment:
         """Resolves when it is the request's turn, with the replica to stream from."""
+        self._background()
         rid = meta.request_id
         where = self.core.where(rid)
         if where is not None and where in self.handles:
@@ -76,6 +89,7 @@ class Controller:
     # client resubmits whatever is pending after a controller restart.
 
     async def submit_many(self, subscriber: str, metas: list[RequestMeta]) -> None:
+        self._background()
         outbox = self._outbox(subscriber)
         for meta in metas:
             rid = meta.request_id
@@ -111,7 +125,13 @@ class Controller:
         self.core.cancel(request_id)
         self._apply(self.core.dispatch())
 
+    def _background(self) -> None:
+        """Start the watchdog (lazily: an async actor has no running loop in __init__)."""
+        if self._watchdog is None:
+            self._watchdog = asyncio.get_running_loop().create_task(self._watch_replicas())
+
     async def _watch_replicas(self) -> None:
+        last_reconcile = time.monotonic()
         while True:
             await asyncio.sleep(self.silent_after_s / 5)
             now = time.monotonic()
@@ -119,10 +139,18 @@ class Controller:
                 if now - seen > self.silent_after_s and rid in self.handles:
                     self._last_report[rid] = now  # one ping per silent period
                     self._spawn(self.replica_failed(rid))
+            if self.supervisor is not None and now - last_reconcile >= self.reconcile_every_s:
+                last_reconcile = now
+                try:
+                    await self.supervisor.reconcile()
+                except Exception as e:  # Ray's GCS busy: next time
+                    log.warning("reconciling the replica set failed: %r", e)
 
     async def replica_failed(self, replica_id: str) -> bool:
         """A client (or the watchdog) saw the replica die. Verified with a ping before it is
-        dropped."""
+        dropped (and fenced: killed, in case it only stalled, so it never serves again next to
+        its replacement); then the supervisor, if any, replaces it."""
+        self._background()
         handle = self.handles.get(replica_id)
         if handle is None:
             return False
@@ -133,23 +161,98 @@ class Controller:
             raise
         except Exception:
             pass
+        if self.handles.get(replica_id) is not handle:
+            return False  # another caller dropped it while we pinged
+        self._drop(replica_id, handle)
+        if self.supervisor is not None:
+            self.supervisor.lost(replica_id)
+        return True
+
+    def _drop(self, replica_id: str, handle: Any) -> None:
+        """Out of placement for good: its requests are orphaned (their clients resubmit)."""
+        self._dead.add(replica_id)
+        try:
+            ray.kill(handle, no_restart=True)
+        except Exception as e:  # already gone
+            log.debug("kill %s: %r", replica_id, e)
         self.handles.pop(replica_id, None)
         self._last_report.pop(replica_id, None)
+        self._pushed.pop(replica_id, None)
         self.core.remove_replica(replica_id)
         self._apply(self.core.dispatch())
+
+    # ---- the replica set --------------------------------------------------------------------
+
+    async def ensure_replicas(self, timeout_s: float = 120.0) -> dict[str, Any]:
+        """Create every replica of the set that is not in service (adopting live ones) and
+        wait until each has reported, up to `timeout_s`. Returns the replicas' handles."""
+        if self.supervisor is None:
+            raise RuntimeError("this controller was started without a ReplicaSet")
+        self._background()
+        if not await self.supervisor.ensure(timeout_s):
+            slots = self.supervisor.stats()["slots"]
+            missing = {k: v["last_error"] for k, v in slots.items() if not v["replica"]}
+            raise TimeoutError(f"replicas not in service after {timeout_s:g}s: {missing}")
+        return dict(self.handles)
+
+    async def retire_replica(self, replica_id: str) -> bool:
+        """Remove a replica on purpose (scale-down): stopped, and not replaced. Requests it
+        held are resubmitted elsewhere by their clients, as after a death."""
+        handle = self.handles.get(replica_id)
+        if handle is None:
+            return False
+        if self.supervisor is not None:
+            self.supervisor.retire(replica_id)
+        self._drop(replica_id, handle)
         return True
+
+    async def shutdown_replicas(self, timeout_s: float = 5.0) -> int:
+        """The cluster is going away: stop every replica, replace none. Returns how many were
+        in service. The ones in service are killed at once; then, bounded by `timeout_s`, any
+        other live actor of the set (one being created, an orphan) found by name."""
+        handles = list(self.handles.items())
+        if self.supervisor is not None:
+            self.supervisor.stopping = True  # nothing is brought up from here on
+        for rid, handle in handles:
+            self._drop(rid, handle)
+        if self.supervisor is not None:
+            try:
+                await asyncio.wait_for(self.supervisor.stop(), timeout_s)
+            except Exception as e:  # GCS slow: what was in service is stopped anyway
+                log.warning("stopping the replica set: %r", e)
+        return len(handles)
+
+    def _is_up(self, replica_id: str) -> bool:
+        r = self.core.replicas.get(replica_id)
+        return r is not None and r.synced and replica_id in self.handles
+
+    def _replica_config(self, spec: ReplicaSpec) -> ReplicaConfig:
+        """The config a slot's replica starts with (subclasses add run-time changes)."""
+        return spec.config
+
+    def _on_registered(self, replica_id: str, handle: Any) -> None:
+        """A replica this controller had not heard from reported (a hook for subclasses)."""
 
     # ---- replicas ---------------------------------------------------------------------------
 
     @ray.method(max_task_retries=0)  # periodic: a lost report is superseded by the next one
     async def report(self, rep: ReplicaReport) -> dict[str, float] | None:
         """Fold a report in; answers with the cluster-wide counters for the replica's queue."""
+        rid = rep.replica_id
+        if rid in self._dead:
+            return None  # sent before it was fenced
+        self._background()
+        new = rid not in self.core.replicas
+        if new and self.supervisor is not None and not self.supervisor.register(rid):
+            if rep.handle is not None:  # retired, shutting down, or a duplicate of its slot
+                self._drop(rid, rep.handle)
+            return None
         if rep.handle is not None:
-            self.handles[rep.replica_id] = rep.handle
-        self._last_report[rep.replica_id] = time.monotonic()
-        if self._watchdog is None:
-            self._watchdog = asyncio.get_running_loop().create_task(self._watch_replicas())
+            self.handles[rid] = rep.handle
+        self._last_report[rid] = time.monotonic()
         self._apply(self.core.report(rep))
+        if new and rep.handle is not None:
+            self._on_registered(rid, rep.handle)
         counters = self.core.counters()
         if counters == self._pushed.get(rep.replica_id):
             return None
@@ -213,6 +316,8 @@ class Controller:
         s = self.core.stats()
         s["replicas"] = sorted(self.handles)
         s["incarnation"] = self.incarnation
+        if self.supervisor is not None:
+            s["replica_set"] = self.supervisor.stats()
         return s
 
     async def replica_handles(self) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """The cluster on two replicas running the tiny Llama (CPU, float32): migration with K/V through
 the object store and a replica's death, checked token for token (and text) against undisturbed
-runs on the same cluster - greedy, and seeded sampling, which is keyed on the output index.
+runs on the same cluster - greedy, and seeded sampling, which is keyed on the output index -
+and the killed replica's replacement (same config: the same tiny model) serving exactly so too.
 
 Order matters: the last test kills a replica.
 """
@@ -83,20 +84,23 @@ def test_migration_with_kv_matches_undisturbed(cluster, params):
     assert stats["imported_kv_blocks"] > 0  # K/V travelled (swap-in), not a recompute
 
 
-async def run_and_kill(c, prompts, params, victim: str | None) -> list[dict]:
+async def run_and_kill(
+    c, prompts, params, victim: str | None, tenant: str = "default"
+) -> tuple[list[dict], list[int]]:
     client = ClusterClient(c.controller, item_timeout_s=60, admit_timeout_s=120)
     progress = [0] * len(prompts)
     where = [""] * len(prompts)  # the replica each request is streaming from
 
     async def one(i: int) -> dict:
         items = []
-        async for item in client.generate(prompts[i], params[i]):
+        async for item in client.generate(prompts[i], params[i], tenant=tenant):
             items.append(item)
             progress[i] += len(item.token_ids)
             where[i] = "" if item.finished else item.replica_id
         tokens = [t for x in items for t in x.token_ids]
         return {"tokens": tokens, "items": items, "replicas": [x.replica_id for x in items]}
 
+    handle = c.replicas.get(victim)
     tasks = [asyncio.create_task(one(i)) for i in range(len(prompts))]
     on_victim: list[int] = []
     if victim is not None:
@@ -104,7 +108,7 @@ async def run_and_kill(c, prompts, params, victim: str | None) -> list[dict]:
         while min(progress) < 6:  # every request is mid-generation
             await asyncio.sleep(0.01)
             assert time.monotonic() < deadline, progress
-        ray.kill(c.replicas[victim], no_restart=True)
+        ray.kill(handle, no_restart=True)
         on_victim = [i for i in range(len(prompts)) if where[i] == victim]
     results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=120)
     return results, on_victim
@@ -123,3 +127,18 @@ def test_replica_death_streams_continue_exactly(cluster):
         assert r["tokens"] == e["tokens"] and len(e["tokens"]) == 40
         assert text(r) == text(e)
         assert r["items"][-1].finish_reason == "length"
+
+    # The controller replaced it (same config, a new id), and the replacement serves exactly.
+    deadline = time.monotonic() + 120
+    while True:
+        stats = ray.get(cluster.controller.stats.remote(), timeout=30)
+        if len(stats["replicas"]) == 2 and victim not in stats["replicas"]:
+            break
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.2)
+    (new,) = [r for r in stats["replicas"] if r.startswith(victim + "~")]
+    # another tenant: its prefix hashes (salted) match nothing cached, so placement is by load
+    again, _ = asyncio.run(run_and_kill(cluster, prompts, params, None, tenant="other"))
+    assert any(r["replicas"][0] == new for r in again)
+    for r, e in zip(again, ref):
+        assert r["tokens"] == e["tokens"] and text(r) == text(e)

@@ -1,0 +1,88 @@
+"""What the fairness controller's logic is made of: its config, the ticket it keeps per request,
+and the actions it answers events with (`Assign`, `Preempt`, `Migrate`) for its caller to
+carry out. Plain Python, no Ray (`fairness.py` re-exports all of it).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from fairbatch.deployments.types import RequestMeta
+from fairbatch.policies import TenantSpec
+
+ROUTINGS = ("fair", "round_robin", "power_of_two")
+
+
+@dataclass
+class ControllerConfig:
+    routing: str = "fair"
+    policy: str = "priority"  # global order in "fair" mode (priority: weighted fair inside)
+    policy_kwargs: dict = field(default_factory=dict)
+    tenants: list[TenantSpec] = field(default_factory=list)
+    local_queue: int = 2  # requests a replica may hold beyond its running seats ("fair")
+    preemption: bool = True  # coordinated preemption for higher-priority waiting requests
+    preempt_mode: str = "auto"  # "auto" | "swap" | "recompute"
+    migrate_displaced: bool = True  # move a preempted request to a replica with room
+    input_weight: float = 1.0
+    output_weight: float = 2.0
+    stale_assignment_s: float = 30.0  # assigned but never seen by its replica: dropped after
+
+    def __post_init__(self) -> None:
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"routing must be one of {ROUTINGS}, got {self.routing!r}")
+        if self.local_queue < 0:
+            raise ValueError(f"local_queue must be >= 0, got {self.local_queue}")
+
+
+class Ticket:
+    """A request as the controller's queues see it (duck-types what policies read)."""
+
+    __slots__ = (
+        "request_id",
+        "tenant",
+        "priority",
+        "seq",
+        "arrival_time",
+        "meta",
+        "replica",
+        "assigned_at",
+        "seen",
+        "running",
+        "preempted",
+        "max_tokens",
+    )
+
+    def __init__(self, meta: RequestMeta | None, request_id: str, tenant: str, priority: int):
+        self.request_id = request_id
+        self.tenant = tenant
+        self.priority = priority
+        self.seq = 0
+        self.arrival_time = time.monotonic()
+        self.meta = meta
+        self.replica: str | None = None
+        self.assigned_at = 0.0
+        self.seen = False  # its replica reported holding it
+        self.running = False  # holding GPU blocks, as of the last report
+        self.preempted = False  # displaced by coordinated preemption, not yet running again
+        self.max_tokens = 0 if meta is None else meta.params.max_tokens  # decode tokens prepaid
+
+
+@dataclass
+class Assign:
+    ticket: Ticket
+    replica_id: str
+
+
+@dataclass
+class Preempt:
+    replica_id: str
+    request_id: str
+    mode: str
+
+
+@dataclass
+class Migrate:
+    request_id: str
+    src: str
+    dst: str
