@@ -185,12 +185,16 @@ class _Api:
         self, request: Request, ticket: Ticket, prompt_ids: list[int], params: Any
     ) -> tuple[AsyncIterator[Any], Any]:
         """Submit and wait for the first delta (watching for a disconnect meanwhile)."""
+        # Only a tenant in a prefix-cache group passes a salt: without one the backend salts
+        # with the tenant name, and backends that predate the kwarg keep working.
+        salt = ticket.tenant.cache_salt
         it = self.backend.generate(
             prompt_ids,
             params,
             request_id=ticket.request_id,
             tenant=ticket.tenant.name,
             priority=ticket.tenant.priority,
+            **({} if salt is None else {"cache_salt": salt}),
         )
         try:
             first = await until_disconnect(request, it.__anext__())

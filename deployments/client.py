@@ -7,6 +7,8 @@ from the assigned replica. It follows the request wherever it goes:
     delivered (same request id, same params) so the caller sees no gap and no repeat;
   * the controller is restarting: Ray retries `admit` (idempotent per request id) and the
     client retries on errors until `admit_timeout_s`.
+Inside an actor (the ingress), every stream names that actor as its owner, so a replica can
+abort the requests of a client process that died (Ray does not stop their streams).
 Every stream ends with a finished item: tokens, or finish_reason "error". Nothing waits forever.
 """
 
@@ -49,11 +51,22 @@ class ClusterClient:
         self.batch_admissions = batch_admissions  # one call per batch instead of per request
         self._batcher: AdmissionBatcher | None = None
         self._where: dict[str, Any] = {}  # request id -> the replica holding it now (streams)
+        self._owner: tuple[str, Any] | None = None  # this process's actor, see owner()
+        self._owner_known = False
 
     def _controller(self) -> Any:
         if isinstance(self.controller, str):
             self.controller = ray.get_actor(self.controller)
         return self.controller
+
+    def owner(self) -> tuple[str, Any] | None:
+        """(actor id, handle) of the actor this client runs in, or None in a driver."""
+        if not self._owner_known:
+            ctx = ray.get_runtime_context()
+            actor_id = ctx.get_actor_id()
+            self._owner = None if actor_id is None else (actor_id, ctx.current_actor)
+            self._owner_known = True
+        return self._owner
 
     def prefix_hashes(self, prompt_ids: list[int], salt: str) -> list[bytes]:
         bs = self.block_size
@@ -91,6 +104,7 @@ class ClusterClient:
         resubmits = 0
         finished = False
         replica_id, handle = "", None
+        owner = self.owner()
         try:
             while True:
                 try:
@@ -105,7 +119,7 @@ class ClusterClient:
                 self._where[meta.request_id] = handle
                 if on_assign is not None:
                     on_assign(assignment)
-                gen = handle.generate.options(num_returns="streaming").remote(meta)
+                gen = handle.generate.options(num_returns="streaming").remote(meta, owner)
                 try:
                     while True:
                         item = await self._next(gen)
@@ -115,7 +129,7 @@ class ClusterClient:
                             replica_id, handle = item.replica_id, item.replica
                             self._where[meta.request_id] = handle
                             gen = handle.resume.options(num_returns="streaming").remote(
-                                item.migrated
+                                item.migrated, owner
                             )
                             continue
                         delivered.extend(item.token_ids)

@@ -18,6 +18,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 SHA256_HEX = r"^[0-9a-fA-F]{64}$"
+NAME = r"^[A-Za-z0-9_.\-]+$"  # tenant and prefix-cache group names
 
 
 def sha256_hex(key: str) -> str:
@@ -32,13 +33,17 @@ class _Strict(BaseModel):
 class TenantConfig(_Strict):
     """One tenant: who it is (a key), its share, its class and its quota."""
 
-    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    name: str = Field(min_length=1, max_length=64, pattern=NAME)
     api_key: str | None = Field(default=None, min_length=1, repr=False)  # hashed on load
     api_key_sha256: str | None = Field(default=None, pattern=SHA256_HEX, repr=False)
     weight: float = Field(default=1.0, gt=0, le=1e6)  # share under weighted fair scheduling
     priority: int = Field(default=0, ge=-1000, le=1000)  # higher = more important
     tokens_per_minute: float | None = Field(default=None, gt=0)  # None = unlimited
     max_requests: int | None = Field(default=None, ge=1)  # in flight; None = limits' default
+    # Tenants naming the same group share prefix-cache blocks, so each can time the others'
+    # prompts (a hit is faster): opt in only between tenants that trust each other. None: the
+    # tenant's own cache, shared with nobody.
+    prefix_cache_group: str | None = Field(default=None, min_length=1, max_length=64, pattern=NAME)
 
     @model_validator(mode="after")
     def _hash_key(self) -> TenantConfig:

@@ -9,14 +9,18 @@ another implementation with the same protocol.
 
 Backend protocol (duck-typed; only `generate`, `abort`, `tokenizer`, `max_model_len` required):
 
-* `generate(prompt_token_ids, params, *, request_id, tenant, priority)` -> an async iterator of
-  `fairbatch.engine.core.RequestDelta`, ending with a delta whose `finished` is True
-  (`finish_reason` "stop" | "length" | "abort" | "error"). Contract:
+* `generate(prompt_token_ids, params, *, request_id, tenant, priority[, cache_salt])` -> an
+  async iterator of `fairbatch.engine.core.RequestDelta`, ending with a delta whose `finished`
+  is True (`finish_reason` "stop" | "length" | "abort" | "error"). Contract:
     - nothing is submitted before the first `__anext__`;
     - closing the iterator early (`aclose()`, or cancelling the task awaiting it) aborts the
       request and frees its KV blocks;
     - a `ValueError` raised before the first delta means the request itself was refused (the
-      API answers 400); any other exception means the backend failed (503).
+      API answers 400); any other exception means the backend failed (503);
+    - `cache_salt` (optional kwarg): prefix-cache blocks are shared only between requests with
+      the same salt. The API passes it only for tenants in a `prefix_cache_group` (the group's
+      salt); without it the backend must salt with `tenant`, so tenants never share blocks.
+      A backend that never serves such tenants may leave the kwarg out.
 * `abort(request_id)` (async) -> bool: cancel a request; its stream then ends with an
   "abort" delta (or simply ends).
 * `tokenizer`: a `fairbatch.engine.tokenizer.Tokenizer` (encode, decode, apply_chat_template,
@@ -53,6 +57,7 @@ class Backend(Protocol):
         request_id: str,
         tenant: str,
         priority: int,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestDelta]: ...
 
     async def abort(self, request_id: str) -> bool: ...
@@ -88,9 +93,15 @@ class LocalBackend:
         request_id: str,
         tenant: str,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestDelta]:
         stream = self.engine.generate(
-            list(prompt_token_ids), params, request_id=request_id, tenant=tenant, priority=priority
+            list(prompt_token_ids),
+            params,
+            request_id=request_id,
+            tenant=tenant,
+            priority=priority,
+            cache_salt=cache_salt,  # None: the engine salts with the tenant
         )
         finished = False
         try:

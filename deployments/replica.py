@@ -6,6 +6,12 @@ Control plane: a background task reports to the controller at a bounded rate (on
 `report_interval_s` at most, and only when something changed or a heartbeat is due), and the
 controller's commands (preempt, migrate out, counters) run between steps on the engine thread.
 
+A caller that dies does not end its streams: Ray keeps running an actor's streaming generator
+after the process consuming it is gone. So a caller that is an actor (the ingress) names
+itself with each stream, and the replica pings those callers every `owner_check_s`; the
+requests of one that is dead are aborted, which frees their KV blocks and, through the next
+report, the controller's slots.
+
 `Replica` is a plain class; `replica_actor()` wraps it for Ray with `num_gpus=1, num_cpus=0`.
 """
 
@@ -119,6 +125,8 @@ class Replica:
         self.namespace = namespace
         self._reporter: asyncio.Task | None = None
         self._controller: Any = None
+        self._owners: dict[str, tuple[Any, set[str]]] = {}  # caller actor id -> (handle, ids)
+        self._owner_watch: asyncio.Task | None = None
 
     def _wrap_charge(self) -> None:
         # The scheduler charges the policy after every step; record prefill and decode apart
@@ -136,6 +144,20 @@ class Replica:
             row[1] += decode
 
         policy.charge = recorded
+        charge_step = getattr(policy, "charge_step", None)
+        if charge_step is None:
+            return
+
+        def recorded_step(prefill, decode) -> None:  # the scheduler's one call per step
+            charge_step(prefill, decode)
+            for i, tokens in ((0, prefill), (1, decode)):
+                for tenant, n in tokens.items():
+                    row = ledger.get(tenant)
+                    if row is None:
+                        row = ledger[tenant] = [0, 0]
+                    row[i] += n
+
+        policy.charge_step = recorded_step
 
     def _pace(self) -> None:
         # On the engine thread after each step: a sim replica takes as long as its GPU would.
@@ -146,8 +168,9 @@ class Replica:
 
     # ---- data plane -------------------------------------------------------------------------
 
-    async def generate(self, meta: RequestMeta):
-        """Stream a new (or resubmitted) request's tokens as StreamItems."""
+    async def generate(self, meta: RequestMeta, owner: tuple[str, Any] | None = None):
+        """Stream a new (or resubmitted) request's tokens as StreamItems. `owner`: the calling
+        actor's (id, handle), watched so its requests end if it dies; None for a driver."""
         self._start_reporter()
         rid = meta.request_id
         self._meta[rid] = (meta.tenant, meta.priority, meta.params.max_tokens)
@@ -163,10 +186,10 @@ class Replica:
                 priority=meta.priority,
                 cache_salt=meta.cache_salt,
             )
-        async for item in self._relay(rid, stream, len(meta.output_ids)):
+        async for item in self._relay(rid, stream, len(meta.output_ids), owner):
             yield item
 
-    async def resume(self, migrated: Any):
+    async def resume(self, migrated: Any, owner: tuple[str, Any] | None = None):
         """Adopt a request exported by another replica (its K/V too, if it was swapped)."""
         self._start_reporter()
         if not isinstance(migrated, MigratedRequest):  # an ObjectRef nested in a Moved
@@ -178,7 +201,7 @@ class Replica:
         if migrated.kv_blocks is not None:
             self.num_imported_kv_blocks += int(migrated.kv_blocks.shape[2])
         num_out = len(request.output_token_ids)
-        async for item in self._relay(rid, self.engine.resume(migrated), num_out):
+        async for item in self._relay(rid, self.engine.resume(migrated), num_out, owner):
             yield item
 
     def _resubmitted(self, meta: RequestMeta) -> MigratedRequest:
@@ -204,11 +227,12 @@ class Replica:
         request.num_prompt_charged = request.num_prompt_tokens  # charged on the first replica
         return MigratedRequest(request)
 
-    async def _relay(self, rid: str, stream, num_out: int = 0):
+    async def _relay(self, rid: str, stream, num_out: int = 0, owner=None):
         batch = max(1, self.config.stream_batch)
         tokens: list[int] = []
         logprobs: list = []  # the sampler's records for `tokens`, when the request asked
         text = ""
+        self._own(rid, owner)
         try:
             async for delta in stream:
                 if delta.finish_reason == "moved":
@@ -225,9 +249,59 @@ class Replica:
                     yield self._item(tokens, text, delta.finished, delta.finish_reason, logprobs)
                     tokens, logprobs, text = [], [], ""
         finally:
+            self._disown(rid, owner)
             self._meta.pop(rid, None)
             self._finished.append((rid, num_out))
             self._changed = True
+
+    # ---- callers that die -------------------------------------------------------------------
+
+    owner_check_s = 1.0  # how often the callers of open streams are pinged
+    owner_ping_timeout_s = 10.0  # a ping this slow proves nothing: checked again next round
+
+    def _own(self, rid: str, owner: tuple[str, Any] | None) -> None:
+        if owner is None:
+            return
+        actor_id, handle = owner
+        entry = self._owners.get(actor_id)
+        if entry is None:
+            entry = self._owners[actor_id] = (handle, set())
+        entry[1].add(rid)
+        if self._owner_watch is None:
+            self._owner_watch = asyncio.get_running_loop().create_task(self._watch_owners())
+
+    def _disown(self, rid: str, owner: tuple[str, Any] | None) -> None:
+        if owner is None:
+            return
+        entry = self._owners.get(owner[0])
+        if entry is not None:
+            entry[1].discard(rid)
+            if not entry[1]:
+                del self._owners[owner[0]]
+
+    async def _watch_owners(self) -> None:
+        while True:
+            await asyncio.sleep(self.owner_check_s)
+            owners = list(self._owners.items())
+            if owners:
+                await asyncio.gather(*(self._check_owner(a, h, ids) for a, (h, ids) in owners))
+
+    async def _check_owner(self, actor_id: str, handle: Any, ids: set[str]) -> None:
+        from ray.exceptions import ActorUnavailableError, RayActorError
+
+        try:
+            await asyncio.wait_for(handle.__ray_ready__.remote(), self.owner_ping_timeout_s)
+            return
+        except ActorUnavailableError:  # unreachable for now, not known dead
+            return
+        except RayActorError:  # dead (ActorDiedError): nobody reads these streams any more
+            pass
+        except Exception:  # slow, or something else: not proof of death
+            return
+        log.info("caller %s died: aborting its %d request(s)", actor_id, len(ids))
+        self._owners.pop(actor_id, None)
+        for rid in list(ids):
+            await self.engine.abort(rid)  # its stream ends with "abort"; blocks free now
 
     def _item(self, tokens: list[int], text: str, done: bool, reason, lps: list) -> StreamItem:
         steps, lp = self.engine.num_steps, list(lps) or None
@@ -311,7 +385,8 @@ class Replica:
                 "engine": self.core.stats(),
             }
 
-        return await self.engine.call(run)
+        owners = {a: len(ids) for a, (_, ids) in self._owners.items()}  # caller -> streams
+        return {**await self.engine.call(run), "owners": owners}
 
     # ---- reports ----------------------------------------------------------------------------
 

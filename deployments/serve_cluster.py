@@ -2,10 +2,11 @@
 `ClusterBackend` adapter that gives `ClusterClient` the API's backend protocol.
 
 Why not `cluster.start_cluster`: the ingress runs inside a Serve replica that Serve may replace
-(a redeploy starts the new ingress before it stops the old one), so the actors here are
+(a redeploy starts the new ingress before it stops the old one), so the controller here is
 *detached*, created with `get_if_exists` (a second ingress replica, or the next version, finds
-the running cluster by name), and counted: every ingress `attach`es, and the last one to
-`detach` tears the cluster down. The cluster's name carries a digest of its settings, so a
+the running cluster by name; its `ensure_replicas` finds the replicas in service, replacements
+included), and counted: every ingress `attach`es, and the last one to `detach` tears the
+cluster down. The cluster's name carries a digest of its settings, so a
 redeploy that changes the engine or the replica count builds a new cluster next to the old
 one (which goes when the old ingress detaches); one that changes only tenants keeps it.
 
@@ -32,8 +33,10 @@ from fairbatch.deployments.controller import Controller
 from fairbatch.deployments.fairness import ControllerConfig
 from fairbatch.deployments.metrics import Deltas, RequestTimer, get_metrics
 from fairbatch.deployments.replica import Replica, ReplicaConfig
+from fairbatch.deployments.replica_set import ReplicaSet, ReplicaSpec
 from fairbatch.engine.core import RequestDelta
 from fairbatch.engine.sampling_params import SamplingParams
+from fairbatch.policies import TenantSpec
 
 log = logging.getLogger(__name__)
 
@@ -52,13 +55,21 @@ def _spawn(coro: Any, tasks: set) -> None:
 
 
 class ClusterController(Controller):
-    """The controller plus: tenant updates, ingress attach counting, periodic metrics."""
+    """The controller plus: tenant updates, ingress attach counting, periodic metrics. It owns
+    the replicas (`ensure_replicas`, replacement of dead ones); the last ingress to detach
+    stops them."""
 
-    def __init__(self, config: ControllerConfig, metrics_interval_s: float = 1.0) -> None:
-        super().__init__(config)
+    def __init__(
+        self,
+        config: ControllerConfig,
+        metrics_interval_s: float = 1.0,
+        replicas: ReplicaSet | None = None,
+    ) -> None:
+        super().__init__(config, replicas)
         self.users: set[str] = set()
         self.metrics_interval_s = metrics_interval_s
         self._metrics_task: asyncio.Task | None = None
+        self._tenant_updates: dict[str, tuple[float, int]] = {}  # for replacement replicas
 
     async def attach(self, user: str) -> int:
         self.users.add(user)
@@ -67,13 +78,45 @@ class ClusterController(Controller):
         return len(self.users)
 
     async def detach(self, user: str) -> int:
-        """Returns how many ingresses still use the cluster (0: tear it down)."""
+        """Returns how many ingresses still use the cluster (0: tear it down). The last one
+        out stops the replicas here first, so none is replaced (the ingress then kills the
+        actors it knows, which no longer include replacements)."""
         self.users.discard(user)
+        if not self.users and self.supervisor is not None:
+            await self.shutdown_replicas()
         return len(self.users)
 
     async def update_tenant(self, name: str, weight: float, priority: int) -> None:
+        """The global queue's tenant, and (in the background) every replica's in service; a
+        replacement starts with it (`_replica_config`)."""
+        self._tenant_updates[name] = (weight, priority)
         self.core.policy.update_tenant(name, weight=weight, priority=priority)
         self._apply(self.core.dispatch())
+        update = {name: (weight, priority)}
+        _spawn(self._push_tenants(list(self.handles.values()), update), self._tasks)
+
+    async def _push_tenants(self, handles: list, updates: dict[str, tuple[float, int]]) -> None:
+        calls = [h.update_tenant.remote(n, w, p) for h in handles for n, (w, p) in updates.items()]
+        results = await asyncio.wait_for(
+            asyncio.gather(*calls, return_exceptions=True), UPDATE_TIMEOUT_S
+        )
+        for r in results:
+            if isinstance(r, Exception):  # a dead replica: the replacement starts updated
+                log.info("tenant update not delivered: %r", r)
+
+    def _replica_config(self, spec: ReplicaSpec) -> ReplicaConfig:
+        if not self._tenant_updates:
+            return spec.config
+        tenants = {t.name: t for t in spec.config.tenants}
+        for name, (weight, priority) in self._tenant_updates.items():
+            base = tenants.get(name) or TenantSpec(name)
+            tenants[name] = replace(base, weight=weight, priority=priority)
+        return replace(spec.config, tenants=list(tenants.values()))
+
+    def _on_registered(self, replica_id: str, handle: Any) -> None:
+        # an update made while this replica was being created reaches it too
+        if self._tenant_updates:
+            _spawn(self._push_tenants([handle], dict(self._tenant_updates)), self._tasks)
 
     async def tenants(self) -> dict[str, tuple[float, int]]:
         """name -> (weight, priority), as the global queue's policy has them."""
@@ -190,58 +233,49 @@ class ClusterSpec:
         )
         return f"{self.name}-{hashlib.sha256(body.encode()).hexdigest()[:8]}"
 
+    def replica_set(self, timeout_s: float) -> ReplicaSet:
+        """The replicas as the controller starts (and replaces) them: `ClusterReplica`s with
+        these configs and GPUs, named `<cluster id>-r<i>` (replacements `<...>-r<i>~<hex>`)."""
+        cid = self.cluster_id()
+        return ReplicaSet(
+            f"{cid}-controller",
+            [ReplicaSpec(f"{cid}-r{i}", cfg) for i, cfg in enumerate(self.replicas)],
+            actor_cls=ClusterReplica,
+            kwargs={"metrics_interval_s": self.metrics_interval_s},
+            namespace=NAMESPACE,
+            num_gpus=self.num_gpus_per_replica,
+            start_timeout_s=timeout_s,
+        )
+
 
 @dataclass
 class ClusterHandles:
     cluster_id: str
     controller: Any
-    replicas: dict[str, Any]  # replica id -> handle
+    replicas: dict[str, Any]  # replica id -> handle, when ensured (now: controller.replica_handles)
     namespace: str | None
 
 
 async def ensure_cluster(spec: ClusterSpec, timeout_s: float) -> ClusterHandles:
-    """Create the cluster's detached actors, or find them by name; wait until every replica
-    has reported to the controller (bounded by `timeout_s`)."""
+    """Create the cluster's detached controller, or find it by name; it creates the replicas
+    it does not find (`ensure_replicas`: a second ingress finds them all in service) and this
+    waits until every one has reported (bounded by `timeout_s`)."""
     cid = spec.cluster_id()
-    namespace = NAMESPACE
-    ctrl_name = f"{cid}-controller"
     ctrl_cls = ray.remote(ClusterController)
     controller = ctrl_cls.options(
-        name=ctrl_name,
-        namespace=namespace,
+        name=f"{cid}-controller",
+        namespace=NAMESPACE,
         get_if_exists=True,
         lifetime="detached",
         num_cpus=0,
         max_restarts=-1,
         max_task_retries=-1,
         max_concurrency=10000,
-    ).remote(spec.controller, spec.metrics_interval_s)
-    rep_cls = ray.remote(ClusterReplica)
-    replicas: dict[str, Any] = {}
-    for i, cfg in enumerate(spec.replicas):
-        rid = f"{cid}-r{i}"
-        replicas[rid] = rep_cls.options(
-            name=rid,
-            namespace=namespace,
-            get_if_exists=True,
-            lifetime="detached",
-            num_cpus=0,
-            num_gpus=spec.num_gpus_per_replica,
-            max_restarts=0,
-            max_concurrency=1000,
-        ).remote(rid, cfg, ctrl_name, namespace, spec.metrics_interval_s)
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    await asyncio.wait_for(
-        asyncio.gather(*(h.start.remote() for h in replicas.values())), timeout=timeout_s
+    ).remote(spec.controller, spec.metrics_interval_s, spec.replica_set(timeout_s))
+    replicas = await asyncio.wait_for(
+        controller.ensure_replicas.remote(timeout_s), timeout=timeout_s + 30
     )
-    while not await asyncio.wait_for(
-        controller.ready.remote(len(replicas)), timeout=max(1.0, deadline - loop.time())
-    ):
-        if loop.time() > deadline:
-            raise TimeoutError(f"cluster {cid}: replicas did not report within {timeout_s:g}s")
-        await asyncio.sleep(0.05)
-    return ClusterHandles(cid, controller, replicas, namespace)
+    return ClusterHandles(cid, controller, replicas, NAMESPACE)
 
 
 def kill_cluster(handles: ClusterHandles) -> None:
@@ -293,6 +327,7 @@ class ClusterBackend:
         request_id: str,
         tenant: str,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestDelta]:
         timer = RequestTimer(tenant, time.monotonic)
         inner = self.client.generate(
@@ -301,6 +336,7 @@ class ClusterBackend:
             tenant=tenant,
             priority=priority,
             request_id=request_id,
+            cache_salt=cache_salt,  # None: salted with the tenant (replicas and affinity)
         )
         reason = "abort"
         try:

@@ -56,12 +56,21 @@ class TenantState:
     priority: int = 0
     tokens_per_minute: float | None = None
     max_requests: int | None = None
+    prefix_cache_group: str | None = None  # tenants of one group share prefix-cache blocks
     key_digest: str | None = field(default=None, repr=False)
     bucket: TokenBucket | None = field(default=None, repr=False)
     in_flight: int = 0
     tokens_charged: int = 0  # prompt + completion tokens since start
     requests_admitted: int = 0
     requests_rejected: int = 0
+
+    @property
+    def cache_salt(self) -> str | None:
+        """The prefix-cache salt for this tenant's requests: the group's, or None (the engine
+        then salts with the tenant name). ":" is not allowed in names, so a group's salt never
+        equals a tenant's."""
+        group = self.prefix_cache_group
+        return None if group is None else f"group:{group}"
 
     def public(self) -> dict:
         """What the admin API shows: settings and counters, never the key or its digest."""
@@ -71,6 +80,7 @@ class TenantState:
             "priority": self.priority,
             "tokens_per_minute": self.tokens_per_minute,
             "max_requests": self.max_requests,
+            "prefix_cache_group": self.prefix_cache_group,
             "in_flight": self.in_flight,
             "tokens_charged": self.tokens_charged,
             "requests_admitted": self.requests_admitted,
@@ -120,7 +130,13 @@ class TenantRegistry:
 
     def _add(self, t: TenantConfig) -> None:
         state = TenantState(
-            t.name, t.weight, t.priority, None, t.max_requests, key_digest=t.api_key_sha256
+            t.name,
+            t.weight,
+            t.priority,
+            None,
+            t.max_requests,
+            prefix_cache_group=t.prefix_cache_group,
+            key_digest=t.api_key_sha256,
         )
         self.tenants[t.name] = state
         self._set_quota(state, t.tokens_per_minute)

@@ -266,3 +266,49 @@ def test_an_app_built_before_its_backend_answers_503_until_bound():
             assert r.status_code == 200 and backend.calls[-1]["tenant"] == "b"
     finally:
         loop.close()
+
+
+class SaltRecordingBackend(ScriptedBackend):
+    """A backend that takes the optional `cache_salt` kwarg and records whether it came."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.salts: dict[str, tuple[bool, str | None]] = {}  # tenant -> (passed, salt)
+
+    async def generate(self, prompt_token_ids, params, *, request_id, tenant, priority, **kw):
+        self.salts[tenant] = ("cache_salt" in kw, kw.get("cache_salt"))
+        async for d in super().generate(
+            prompt_token_ids, params, request_id=request_id, tenant=tenant, priority=priority
+        ):
+            yield d
+
+
+def test_cache_salt_reaches_the_backend_only_for_tenants_in_a_group():
+    """Tenants of one prefix-cache group get the group's salt; a tenant in none gets no
+    kwarg at all (the backend salts with its name; ScriptedBackend, which has no such kwarg,
+    keeps serving them, as every other test here shows)."""
+    tenants = [
+        {"name": "x", "api_key": "kx", "prefix_cache_group": "team"},
+        {"name": "y", "api_key": "ky", "prefix_cache_group": "team"},
+        {"name": "z", "api_key": "kz"},
+    ]
+    loop = ServerLoop()
+    try:
+        backend = SaltRecordingBackend()
+        url = loop.serve(create_app(backend, {"tenants": tenants, "admin_api_key": "adm"}))
+        with httpx.Client(base_url=url, timeout=10) as c:
+            for key in ("kx", "ky", "kz"):
+                r = c.post(
+                    "/v1/completions", json=comp(), headers={"Authorization": f"Bearer {key}"}
+                )
+                assert r.status_code == 200, r.text
+            view = c.get("/admin/tenants", headers={"Authorization": "Bearer adm"}).json()
+    finally:
+        loop.close()
+    assert backend.salts == {
+        "x": (True, "group:team"),
+        "y": (True, "group:team"),
+        "z": (False, None),
+    }
+    groups = {t["name"]: t["prefix_cache_group"] for t in view["data"]}
+    assert groups == {"x": "team", "y": "team", "z": None, "default": None}

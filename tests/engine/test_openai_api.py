@@ -531,3 +531,43 @@ def test_admin_stats_count_prefix_hits_of_a_repeated_prompt(env, main_app):
     assert hits >= 2 * block
     assert after["engine"]["preemptions"] == before["engine"]["preemptions"]
     assert after["engine"]["running"] == 0 and after["in_flight"] == 0
+
+
+def test_prefix_cache_is_shared_within_a_group_and_nowhere_else(env):
+    """Tenants of one `prefix_cache_group` hit each other's cached prompt blocks (the exact
+    count of a repeat); tenants in no group never hit another tenant's blocks, nor the
+    group's, nor the group theirs. The repeat by the same tenant shows the cache is on."""
+    loop, backend = env
+    tenants = [
+        {"name": "team-a", "api_key": "key-team-a", "prefix_cache_group": "team"},
+        {"name": "team-b", "api_key": "key-team-b", "prefix_cache_group": "team"},
+        {"name": "solo-c", "api_key": "key-solo-c"},
+        {"name": "solo-d", "api_key": "key-solo-d"},
+    ]
+    app = create_app(backend, {"tenants": tenants, "admin_api_key": ADMIN})
+    url = loop.serve(app)
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    wait_for(lambda: engine_idle(env), "an idle engine")
+
+    def hits() -> int:
+        return httpx.get(f"{url}/admin/stats", headers=admin).json()["engine"]["prefix_hit_tokens"]
+
+    def hit_by(key: str, prompt: str) -> tuple[int, int]:
+        """(prefix-hit tokens of this one request, its prompt tokens)"""
+        before = hits()
+        r = client(url, key).completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+        return hits() - before, r.usage.prompt_tokens
+
+    shared = "a long system prompt that two tenants of one group both send, " * 4
+    private = "a long system prompt that two tenants without a group both send, " * 4
+    assert hit_by("key-team-a", shared)[0] == 0  # first sight
+    got, n = hit_by("key-team-b", shared)
+    assert got == (n - 1) // 16 * 16 >= 32  # every full block but the last token's
+    assert hit_by("key-solo-c", shared)[0] == 0  # the group's blocks are not c's
+    assert hit_by("key-solo-c", private)[0] == 0
+    assert hit_by("key-solo-d", private)[0] == 0  # c's blocks are not d's
+    assert hit_by("key-team-a", private)[0] == 0  # nor the group's
+    got, n = hit_by("key-solo-d", private)  # but d's own repeat hits: the cache is on
+    assert got == (n - 1) // 16 * 16
+    assert app.state.registry.total_in_flight == 0
+    wait_for(lambda: engine_idle(env), "the engine to go idle")

@@ -209,3 +209,35 @@ def test_config_and_registry_import_neither_torch_nor_ray():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_prefix_cache_groups_salt_members_alike_and_no_one_else():
+    cfg = parse_config(
+        {
+            "tenants": [
+                {"name": "a", "api_key": "ka", "prefix_cache_group": "team-1"},
+                {"name": "b", "api_key": "kb", "prefix_cache_group": "team-1"},
+                {"name": "c", "api_key": "kc"},
+                # a group named like a tenant still gets a salt of its own
+                {"name": "d", "api_key": "kd", "prefix_cache_group": "c"},
+            ]
+        }
+    )
+    reg = TenantRegistry(cfg)
+    salts = {n: t.cache_salt for n, t in reg.tenants.items()}
+    assert salts == {
+        "a": "group:team-1",
+        "b": "group:team-1",
+        "c": None,  # the engine salts with the tenant's name
+        "d": "group:c",
+        "default": None,  # the anonymous tenant shares with nobody
+    }
+    assert all(":" not in n for n in reg.tenants)  # so no group salt equals a tenant name
+    assert reg.tenants["a"].public()["prefix_cache_group"] == "team-1"
+
+
+@pytest.mark.parametrize("group", ["", "has space", "x:y", "a/b", "g" * 65, 7])
+def test_bad_prefix_cache_group_names_the_field(group):
+    with pytest.raises(ConfigError) as e:
+        parse_config({"tenants": [{"name": "a", "prefix_cache_group": group}]})
+    assert "tenants.0.prefix_cache_group" in str(e.value)

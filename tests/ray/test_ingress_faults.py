@@ -1,0 +1,344 @@
+"""Reliability of the ingress tier (issue 7): an ingress replica killed while it streams, and
+prefix-cache sharing groups, through the served app over loopback HTTP.
+
+One Ray (1 fake GPU, no dashboard) and one Serve app for the module: TWO ingress replicas
+(`ingress_replicas: 2`, the Serve proxy spreads requests over them) in front of one paced
+`sim` replica with 6 seats, no local queue (the controller's global queue holds the rest) and
+`stale_assignment_s: 5` (an assignment nobody picks up is dropped after 5 s). Tenants `a` and
+`b` share a prefix-cache group; `c` is in none.
+
+An ingress replica that dies takes its `ClusterClient`s with it, and Ray does not stop an
+actor's streaming generator when its caller dies: without the replicas' owner check
+(`Replica._watch_owners`) the orphaned requests would run to max_tokens, holding seats and KV
+blocks. The test tells the orphans apart from the rest by that: once the clients of the dead
+ingress have seen their streams end, the model replica must hold no more requests than
+clients still stream.
+
+Every wait is bounded; nothing asserts on wall-clock time except as an upper bound on a wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import threading
+import time
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+ray = pytest.importorskip("ray")
+from ray import serve  # noqa: E402
+
+from fairbatch.deployments.api_testing import free_port, wait_for  # noqa: E402
+from fairbatch.deployments.app import build_app  # noqa: E402
+from fairbatch.deployments.serve_cluster import NAMESPACE  # noqa: E402
+from fairbatch.engine.tokenizer import Tokenizer  # noqa: E402
+
+KEYS = {"a": "sk-ing-a", "b": "sk-ing-b", "c": "sk-ing-c"}
+ADMIN = "sk-ing-admin"
+MODEL = "fairbatch-sim"
+SEATS = 6
+INGRESSES = 2
+DEPLOY_TIMEOUT_S = 180
+REQUEST_TIMEOUT_S = 90  # one whole request
+LONG = 360  # tokens of a stream in the kill test (~18 s of a seat at ~50 ms a step)
+# Once a client of the dead ingress has seen its stream end, its orphaned request must leave
+# the replica within this (the owner check runs every second). Left alone, an orphan runs on
+# for the rest of its LONG tokens (>= 17 s).
+ORPHANS_GONE_S = 6
+
+
+def app_args() -> dict:
+    return {
+        "model": "sim",
+        "num_replicas": 1,
+        "ingress_replicas": INGRESSES,
+        "cluster_name": "fbing",
+        "metrics_interval_s": 0,
+        "startup_timeout_s": 120,
+        "request_timeout_s": 60,
+        "admin_api_key": ADMIN,
+        "allow_anonymous": False,
+        "engine": {
+            "num_gpu_blocks": 512,
+            "num_cpu_blocks": 64,
+            "max_num_seqs": SEATS,
+            "max_num_batched_tokens": 512,
+            "max_model_len": 1024,
+            "device": "cpu",
+            "time_scale": 7.0,
+        },
+        "controller": {"local_queue": 0, "stale_assignment_s": 5.0},
+        "tenants": [
+            {"name": "a", "api_key": KEYS["a"], "prefix_cache_group": "ab"},
+            {"name": "b", "api_key": KEYS["b"], "prefix_cache_group": "ab"},
+            {"name": "c", "api_key": KEYS["c"]},
+        ],
+    }
+
+
+def ingress_actors() -> dict[str, object]:
+    """Actor id -> handle of the live ingress replicas (Serve names them in its namespace)."""
+    out = {}
+    for a in ray.util.list_named_actors(all_namespaces=True):
+        if a["namespace"] == "serve" and "FairbatchIngress" in a["name"]:
+            try:
+                h = ray.get_actor(a["name"], namespace="serve")
+            except ValueError:
+                continue  # died meanwhile
+            out[h._actor_id.hex()] = h
+    return out
+
+
+def ingress_running() -> int:
+    app = serve.status().applications.get("fairbatch")
+    if app is None:
+        return 0
+    dep = app.deployments.get("FairbatchIngress")
+    return 0 if dep is None else dep.replica_states.get("RUNNING", 0)
+
+
+@pytest.fixture(scope="module")
+def served():
+    http_port = free_port()
+    ray.init(
+        num_cpus=2,
+        num_gpus=1,
+        include_dashboard=False,
+        _temp_dir=os.environ["RAY_TMPDIR"],
+        log_to_driver=False,
+        configure_logging=False,
+    )
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": http_port})
+        failure: list[BaseException] = []
+
+        def deploy() -> None:  # serve.run has no timeout: run it aside and bound the wait
+            try:
+                serve.run(build_app(app_args()), name="fairbatch", route_prefix="/")
+            except BaseException as e:  # noqa: BLE001 - reported below
+                failure.append(e)
+
+        threading.Thread(target=deploy, daemon=True).start()
+
+        def running():
+            if failure:
+                pytest.fail(f"deploy failed: {failure[0]!r}")
+            app = serve.status().applications.get("fairbatch")
+            if app is not None and app.status == "DEPLOY_FAILED":
+                pytest.fail(f"deploy failed: {app.message}")
+            return app is not None and app.status == "RUNNING"
+
+        wait_for(running, DEPLOY_TIMEOUT_S, "the fairbatch app to be RUNNING", every=1.0)
+        base = f"http://127.0.0.1:{http_port}"
+        wait_for(lambda: httpx.get(f"{base}/health", timeout=5).status_code == 200, 60, "/health")
+        handle = serve.get_app_handle("fairbatch")
+        reps = handle.replica_handles.remote().result(timeout_s=30)
+        ctrl_name = next(iter(reps)).rsplit("-r", 1)[0] + "-controller"
+        controller = ray.get_actor(ctrl_name, namespace=NAMESPACE)
+        cluster = SimpleNamespace(name=ctrl_name, replicas=reps, controller=controller)
+        wait_for(lambda: len(ingress_actors()) == INGRESSES, 60, "both ingress actors")
+        yield SimpleNamespace(base=base, cluster=cluster, replica=next(iter(reps.values())))
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+
+
+def prompt_ids(i: int, n: int = 12) -> list[int]:
+    return [(i * 41 + j * 13) % 900 + 20 for j in range(n)]
+
+
+def auth(tenant: str) -> dict:
+    return {"Authorization": f"Bearer {KEYS[tenant]}"}
+
+
+# ---- 1. an ingress replica dies while it streams ----------------------------------------------
+
+
+async def stream(base: str, i: int, tenant: str, max_tokens: int, progress: list) -> dict:
+    """One greedy streaming completion; `progress[i]` counts the text chunks received. Ends as
+    completed (finish_reason, [DONE]), or with what
+    ended it: an HTTP status, a cut connection, a stream without [DONE], or a timeout."""
+    body = {
+        "model": MODEL,
+        "prompt": prompt_ids(i),
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    out = {"i": i, "tenant": tenant, "text": "", "finish": None, "done": False, "error": None}
+    try:
+        async with httpx.AsyncClient(base_url=base, timeout=REQUEST_TIMEOUT_S) as h:
+            async with h.stream("POST", "/v1/completions", json=body, headers=auth(tenant)) as r:
+                if r.status_code != 200:
+                    out["error"] = f"status {r.status_code}"
+                    return out
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    if line == "data: [DONE]":
+                        out["done"] = True
+                        continue
+                    data = json.loads(line[6:])
+                    if "error" in data:
+                        out["error"] = f"error event {data['error'].get('code')}"
+                        continue
+                    choice = data["choices"][0]
+                    out["text"] += choice["text"]
+                    out["finish"] = choice["finish_reason"] or out["finish"]
+                    progress[i] += 1
+        if out["error"] is None and not out["done"]:
+            out["error"] = "ended without [DONE]"
+    except httpx.TimeoutException:
+        out["error"] = "hung"
+    except httpx.HTTPError as e:  # the connection was cut: a clean end for the client
+        out["error"] = type(e).__name__
+    finally:
+        out["ended"] = time.monotonic()
+    return out
+
+
+async def short(base: str, i: int) -> str:
+    """A small non-streaming completion: "200", another status, or how the connection ended."""
+    body = {"model": MODEL, "prompt": prompt_ids(200 + i), "max_tokens": 8, "ignore_eos": True}
+    try:
+        async with httpx.AsyncClient(base_url=base, timeout=REQUEST_TIMEOUT_S) as h:
+            r = await h.post("/v1/completions", json=body, headers=auth("abc"[i % 3]))
+    except httpx.TimeoutException:
+        return "hung"
+    except httpx.HTTPError as e:
+        return type(e).__name__
+    ok = r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+    return "200" if ok else str(r.status_code)
+
+
+def expected_text(prompt: list[int], n: int, sim_expected) -> str:
+    tok = Tokenizer.tiny()
+    return tok.decode(sim_expected(prompt, n, tok.vocab_size))
+
+
+def replica_stats(served) -> dict:
+    return ray.get(served.replica.stats.remote(), timeout=30)
+
+
+def test_ingress_replica_killed_during_streams(served, sim_expected, replica_check):
+    """8 long greedy streams (6 seats: 6 stream, 2 wait at the controller) through the two
+    ingress replicas; the one driving the most streams is killed. Its clients see a clean end
+    (cut connection or error), never a hang; the others' streams complete exactly; the
+    orphaned requests leave the model replica within a bounded time (they would otherwise run
+    to max_tokens); new requests succeed; the pool ends all-free and the controller idle."""
+    base, cluster = served.base, served.cluster
+    n = SEATS + 2
+    tenants = ["abc"[i % 3] for i in range(n)]
+    seen: dict = {}
+
+    async def run() -> tuple[list[dict], float]:
+        progress = [0] * n
+        tasks = [asyncio.create_task(stream(base, i, tenants[i], LONG, progress)) for i in range(n)]
+
+        def under_way() -> bool:
+            return sum(1 for p in progress if p >= 5) >= SEATS
+
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 60
+        while not under_way():
+            assert loop.time() < deadline, f"streams not under way: {progress}"
+            await asyncio.sleep(0.05)
+        stats = await asyncio.to_thread(replica_stats, served)
+        ingresses = await asyncio.to_thread(ingress_actors)
+        owners = stats["owners"]  # ingress actor id -> streams it drives on the replica
+        assert set(owners) <= set(ingresses), (owners, list(ingresses))
+        victim = max(ingresses, key=lambda a: owners.get(a, 0))
+        seen.update(owners=dict(owners), victim=victim, progress=list(progress))
+        ray.kill(ingresses[victim], no_restart=True)
+        killed_at = time.monotonic()
+        # New requests while Serve has not replaced it yet: served, or a clean 5xx.
+        during = [asyncio.create_task(short(base, k)) for k in range(4)]
+
+        # The dead ingress's clients see their streams end (a cut, or a 5xx before the first
+        # token); from then on the replica may hold no more requests than the clients still
+        # waiting for theirs: the orphans must have been aborted, not left to run to the end.
+        deadline = loop.time() + 30
+        while not any(t.done() for t in tasks):
+            assert loop.time() < deadline, f"no client noticed the dead ingress: {progress}"
+            await asyncio.sleep(0.05)
+        seen["first_cut_s"] = round(time.monotonic() - killed_at, 1)
+
+        def orphans_gone() -> bool:
+            ended = sum(1 for t in tasks if t.done())
+            waiting = n - ended + sum(1 for t in during if not t.done())
+            s = replica_stats(served)
+            seen.update(after=dict(running=s["running"], waiting=s["waiting"],
+                                   owners=s["owners"], ended=ended))  # fmt: skip
+            return s["running"] + s["waiting"] <= waiting and victim not in s["owners"]
+
+        deadline = loop.time() + ORPHANS_GONE_S
+        while not await asyncio.to_thread(orphans_gone):
+            assert loop.time() < deadline, f"orphans still on the replica: {seen}"
+            await asyncio.sleep(0.2)
+        seen["orphans_gone_s"] = round(time.monotonic() - killed_at, 1)
+        results = await asyncio.wait_for(asyncio.gather(*tasks), 3 * REQUEST_TIMEOUT_S)
+        seen["during"] = await asyncio.wait_for(asyncio.gather(*during), 2 * REQUEST_TIMEOUT_S)
+        return results, killed_at
+
+    results, killed_at = asyncio.run(run())
+    completed = [r for r in results if r["error"] is None]
+    cut = [r for r in results if r["error"] is not None]
+    seen["completed"], seen["cut"] = len(completed), len(cut)
+    seen["cut_errors"] = sorted({r["error"] for r in cut})
+    seen["cut_after_s"] = max((round(r["ended"] - killed_at, 1) for r in cut), default=None)
+    print(f"ingress kill: {seen}")
+
+    assert seen["owners"].get(seen["victim"], 0) >= 1, seen  # it really drove streams
+    assert cut, seen  # ...and its clients noticed
+    assert not [r for r in cut if r["error"] == "hung"], seen  # never a hang
+    clean = [x for x in seen["during"] if x == "200" or x[0] == "5" or x.endswith("Error")]
+    assert clean == seen["during"], seen  # nor for requests sent meanwhile: 200, 5xx or a cut
+    for r in completed:  # the other ingress's streams: undisturbed, exactly
+        assert (r["finish"], r["done"]) == ("length", True), r
+        assert r["text"] == expected_text(prompt_ids(r["i"]), LONG, sim_expected), r["i"]
+
+    # New requests: Serve replaces the dead ingress; then every request is served.
+    wait_for(lambda: ingress_running() == INGRESSES, 120, "Serve to replace the ingress")
+    wait_for(lambda: len(ingress_actors()) == INGRESSES, 60, "the new ingress actor")
+    body = {"model": MODEL, "prompt": prompt_ids(99), "max_tokens": 8, "ignore_eos": True}
+    for i in range(6):
+        r = httpx.post(f"{base}/v1/completions", json=body, headers=auth("abc"[i % 3]), timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8, r.text
+    replica_check([cluster])  # all-free, and the controller forgot the orphans
+    assert replica_stats(served)["owners"] == {}  # no owner entry outlives its streams
+    users = ray.get(cluster.controller.__ray_call__.remote(lambda c: len(c.users)), timeout=30)
+    print(f"ingress kill: controller attach count {users} for {INGRESSES} live ingresses")
+
+
+# ---- 2. prefix-cache groups through the app -------------------------------------------------
+
+
+def test_prefix_cache_group_shares_blocks_through_the_ray_app(served, replica_check):
+    """a then b (one group) send the same prompt: b hits every full block but the last
+    token's; c (no group) then hits nothing of theirs. Counted by GET /admin/stats."""
+    base = served.base
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    prompt = prompt_ids(7, 70)
+
+    def hits() -> int:
+        r = httpx.get(f"{base}/admin/stats", headers=admin, timeout=30)
+        return r.json()["engine"]["prefix_hit_tokens"]
+
+    def send(tenant: str) -> int:
+        before = hits()
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 2}
+        r = httpx.post(f"{base}/v1/completions", json=body, headers=auth(tenant), timeout=60)
+        assert r.status_code == 200, r.text
+        return hits() - before
+
+    got = [send(t) for t in ("a", "b", "c")]
+    print(f"prefix group through Ray: hits a, b, c = {got}")
+    assert got == [0, (len(prompt) - 1) // 16 * 16, 0]
+    replica_check([served.cluster])
