@@ -144,8 +144,14 @@ class HandleApi:
         )
         ticket = self._admit(api, tenant, req, len(ids))
         priority = tenant.priority if req.priority is None else req.priority
+        salt = tenant.cache_salt  # None unless the tenant is in a prefix_cache_group
         it = api.backend.generate(
-            ids, params, request_id=ticket.request_id, tenant=tenant.name, priority=priority
+            ids,
+            params,
+            request_id=ticket.request_id,
+            tenant=tenant.name,
+            priority=priority,
+            **({} if salt is None else {"cache_salt": salt}),
         )
         outcome = "client_gone"
         try:

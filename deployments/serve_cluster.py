@@ -66,25 +66,49 @@ class ClusterController(Controller):
         replicas: ReplicaSet | None = None,
     ) -> None:
         super().__init__(config, replicas)
-        self.users: set[str] = set()
+        self.users: dict[str, Any] = {}  # attached ingress -> its actor handle (None: unknown)
         self.metrics_interval_s = metrics_interval_s
         self._metrics_task: asyncio.Task | None = None
         self._tenant_updates: dict[str, tuple[float, int]] = {}  # for replacement replicas
 
-    async def attach(self, user: str) -> int:
-        self.users.add(user)
+    async def attach(self, user: str, handle: Any = None) -> int:
+        """Count an ingress in. With its actor `handle`, an ingress that dies without
+        detaching (killed) stops counting at the next detach."""
+        self.users[user] = handle
         if self._metrics_task is None and self.metrics_interval_s > 0:
             self._metrics_task = asyncio.get_running_loop().create_task(self._metrics_loop())
         return len(self.users)
 
     async def detach(self, user: str) -> int:
-        """Returns how many ingresses still use the cluster (0: tear it down). The last one
-        out stops the replicas here first, so none is replaced (the ingress then kills the
+        """Returns how many live ingresses still use the cluster (0: tear it down). The last
+        one out stops the replicas here first, so none is replaced (the ingress then kills the
         actors it knows, which no longer include replacements)."""
-        self.users.discard(user)
+        self.users.pop(user, None)
+        await self._forget_dead_users()
         if not self.users and self.supervisor is not None:
             await self.shutdown_replicas()
         return len(self.users)
+
+    async def _forget_dead_users(self) -> None:
+        from ray.exceptions import ActorUnavailableError, RayActorError
+
+        async def dead(handle: Any) -> bool:
+            try:
+                await asyncio.wait_for(handle.__ray_ready__.remote(), UPDATE_TIMEOUT_S)
+            except ActorUnavailableError:  # unreachable for now: still counted
+                return False
+            except RayActorError:  # died without detaching
+                return True
+            except Exception:  # slow or unknown: still counted
+                return False
+            return False
+
+        users = [(u, h) for u, h in self.users.items() if h is not None]
+        verdicts = await asyncio.gather(*(dead(h) for _, h in users))
+        for (user, _), is_dead in zip(users, verdicts):
+            if is_dead:
+                log.info("ingress %s died without detaching: no longer counted", user)
+                self.users.pop(user, None)
 
     async def update_tenant(self, name: str, weight: float, priority: int) -> None:
         """The global queue's tenant, and (in the background) every replica's in service; a
@@ -371,9 +395,10 @@ class ClusterBackend:
         self, name: str, weight: float, priority: int, tokens_per_minute: float | None
     ) -> None:
         # Quotas are enforced at the ingress (at admission); the cluster gets share and class.
-        targets = [self.handles.controller, *self.handles.replicas.values()]
+        # The controller keeps the change (a replacement replica starts with it) and pushes it
+        # to every replica in service, so no handle here can be stale.
         await asyncio.wait_for(
-            asyncio.gather(*(h.update_tenant.remote(name, weight, priority) for h in targets)),
+            self.handles.controller.update_tenant.remote(name, weight, priority),
             timeout=UPDATE_TIMEOUT_S,
         )
 

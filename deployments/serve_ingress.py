@@ -89,7 +89,7 @@ class FairbatchIngress(HandleApi):
         )
         log.info("starting or joining cluster %s: %d x %s", spec.cluster_id(), n, cfg.model)
         self.handles = await ensure_cluster(spec, cfg.startup_timeout_s)
-        await self.handles.controller.attach.remote(self.user)
+        await self.handles.controller.attach.remote(self.user, _own_actor_handle())
         self.backend = ClusterBackend(
             self.handles,
             tokenizer,
@@ -120,7 +120,8 @@ class FairbatchIngress(HandleApi):
         return await self.handles.controller.tenants.remote()
 
     async def replica_handles(self) -> dict[str, Any]:
-        return dict(self.handles.replicas)
+        """The replicas in service now (replacements included), from the controller."""
+        return await self.handles.controller.replica_handles.remote()
 
     async def _metrics_loop(self) -> None:
         m = get_metrics()
@@ -147,3 +148,13 @@ class FairbatchIngress(HandleApi):
         if left == 0:
             log.info("last ingress gone: shutting down cluster %s", handles.cluster_id)
             kill_cluster(handles)
+
+
+def _own_actor_handle():
+    """This process's actor handle (an ingress replica is one), or None outside an actor."""
+    import ray
+
+    try:
+        return ray.get_runtime_context().current_actor
+    except Exception:
+        return None

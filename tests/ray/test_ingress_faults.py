@@ -315,6 +315,10 @@ def test_ingress_replica_killed_during_streams(served, sim_expected, replica_che
     assert replica_stats(served)["owners"] == {}  # no owner entry outlives its streams
     users = ray.get(cluster.controller.__ray_call__.remote(lambda c: len(c.users)), timeout=30)
     print(f"ingress kill: controller attach count {users} for {INGRESSES} live ingresses")
+    # A detach (here of a name never attached) stops counting ingresses that died attached, so
+    # the last live ingress to detach will still stop the cluster.
+    live = ray.get(cluster.controller.detach.remote("probe-never-attached"), timeout=60)
+    assert live == INGRESSES, (users, live)
 
 
 # ---- 2. prefix-cache groups through the app -------------------------------------------------
