@@ -87,3 +87,58 @@ class ServerLoop:
                 pass
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout)
+
+
+# ---- Serve apps on a local Ray (tests) ---------------------------------------------------------
+
+
+def wait_app_running(timeout_s: float, name: str = "fairbatch", failure: list | None = None):
+    """Wait until Serve reports application `name` RUNNING; AssertionError (with Serve's
+    message) if it failed to deploy, or if `failure` (filled by a deploying thread) is set."""
+    from ray import serve
+
+    def running() -> bool:
+        if failure:
+            raise AssertionError(f"deploy failed: {failure[0]!r}")
+        app = serve.status().applications.get(name)
+        if app is not None and app.status == "DEPLOY_FAILED":
+            raise AssertionError(f"deploy failed: {app.message}")
+        return app is not None and app.status == "RUNNING"
+
+    deadline = time.monotonic() + timeout_s
+    while not running():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for app {name!r}")
+        time.sleep(1.0)
+
+
+def wait_healthy(base: str, timeout_s: float = 60.0) -> None:
+    import httpx
+
+    wait_for(
+        lambda: httpx.get(f"{base}/health", timeout=5).status_code == 200, timeout_s, "/health"
+    )
+
+
+def run_serve_app(args: dict, http_port: int, timeout_s: float) -> str:
+    """`serve.run(build_app(args))` as app "fairbatch" at / on a Ray that is already up, with
+    Serve's HTTP proxy on 127.0.0.1:`http_port`; bounded (serve.run itself has no timeout, so it
+    runs in a thread). Returns the base URL once /health answers 200."""
+    from ray import serve
+
+    from fairbatch.deployments.app import build_app
+
+    serve.start(http_options={"host": "127.0.0.1", "port": http_port})
+    failure: list[BaseException] = []
+
+    def deploy() -> None:
+        try:
+            serve.run(build_app(args), name="fairbatch", route_prefix="/")
+        except BaseException as e:  # noqa: BLE001 - reported by wait_app_running
+            failure.append(e)
+
+    threading.Thread(target=deploy, daemon=True).start()
+    wait_app_running(timeout_s, failure=failure)
+    base = f"http://127.0.0.1:{http_port}"
+    wait_healthy(base)
+    return base

@@ -38,8 +38,7 @@ psutil = pytest.importorskip("psutil")  # Ray ships it (ray/thirdparty_files, on
 from ray import serve  # noqa: E402
 from ray.exceptions import GetTimeoutError, RayActorError  # noqa: E402
 
-from fairbatch.deployments.api_testing import free_port, wait_for  # noqa: E402
-from fairbatch.deployments.app import build_app  # noqa: E402
+from fairbatch.deployments.api_testing import free_port, run_serve_app, wait_for  # noqa: E402
 from fairbatch.deployments.serve_cluster import NAMESPACE  # noqa: E402
 from fairbatch.engine.tokenizer import Tokenizer  # noqa: E402
 
@@ -111,28 +110,7 @@ def served():
         configure_logging=False,
     )
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": http_port})
-        failure: list[BaseException] = []
-
-        def deploy() -> None:  # serve.run has no timeout: run it aside and bound the wait
-            try:
-                serve.run(build_app(app_args()), name="fairbatch", route_prefix="/")
-            except BaseException as e:  # noqa: BLE001 - reported below
-                failure.append(e)
-
-        threading.Thread(target=deploy, daemon=True).start()
-
-        def running():
-            if failure:
-                pytest.fail(f"deploy failed: {failure[0]!r}")
-            app = serve.status().applications.get("fairbatch")
-            if app is not None and app.status == "DEPLOY_FAILED":
-                pytest.fail(f"deploy failed: {app.message}")
-            return app is not None and app.status == "RUNNING"
-
-        wait_for(running, DEPLOY_TIMEOUT_S, "the fairbatch app to be RUNNING", every=1.0)
-        base = f"http://127.0.0.1:{http_port}"
-        wait_for(lambda: httpx.get(f"{base}/health", timeout=5).status_code == 200, 60, "/health")
+        base = run_serve_app(app_args(), http_port, DEPLOY_TIMEOUT_S)
         handle = serve.get_app_handle("fairbatch")
         reps = handle.replica_handles.remote().result(timeout_s=30)
         cid = next(iter(reps)).rsplit("-r", 1)[0]

@@ -23,7 +23,12 @@ openai = pytest.importorskip("openai")
 ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
 
-from fairbatch.deployments.api_testing import free_port, wait_for  # noqa: E402
+from fairbatch.deployments.api_testing import (  # noqa: E402
+    free_port,
+    wait_app_running,
+    wait_for,
+    wait_healthy,
+)
 from fairbatch.deployments.app import ConfigError, parse_app_args, read_args_file  # noqa: E402
 from fairbatch.deployments.handle_api import HandleRejected  # noqa: E402
 from fairbatch.engine.tokenizer import Tokenizer  # noqa: E402
@@ -102,15 +107,9 @@ def served(tmp_path_factory):
             env=os.environ.copy(),
         )
 
-        def running():
-            app = serve.status().applications.get("fairbatch")
-            if app is not None and app.status == "DEPLOY_FAILED":
-                pytest.fail(f"deploy failed: {app.message}")
-            return app is not None and app.status == "RUNNING"
-
-        wait_for(running, DEPLOY_TIMEOUT_S, "the fairbatch app to be RUNNING", every=1.0)
+        wait_app_running(DEPLOY_TIMEOUT_S)
         base = f"http://127.0.0.1:{http_port}"
-        wait_for(lambda: httpx.get(f"{base}/health", timeout=5).status_code == 200, 60, "/health")
+        wait_healthy(base)
         yield {"base": base, "metrics_port": metrics_port}
     finally:
         try:
@@ -265,14 +264,25 @@ def test_concurrent_streams_three_tenants(served):
         finished.append(tenant or "blocker")
         return tenant or "blocker", usage.completion_tokens, text
 
+    handle = serve.get_app_handle("fairbatch")
+
+    def queued() -> int:  # requests waiting in the controller's global queue
+        return handle.cluster_stats.remote().result(timeout_s=30)["controller"]["queued"]
+
     async def run():
-        blockers = [asyncio.create_task(one(None, i, 160)) for i in range(2)]
+        blockers = [asyncio.create_task(one(None, i, 400)) for i in range(2)]
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 60
         while started < 2:  # both seats taken
             assert loop.time() < deadline, "the blocker streams did not start"
             await asyncio.sleep(0.02)
-        jobs = [one(t, i, 16) for t in WEIGHTS for i in range(3)]
+        jobs = [asyncio.create_task(one(t, i, 16)) for t in WEIGHTS for i in range(3)]
+        # The order is decided when a seat frees: all 9 must be queued by then (otherwise the
+        # first arrivals are simply the only backlogged tenant).
+        while await asyncio.to_thread(queued) < 9:
+            assert "blocker" not in finished, "a seat freed before the 9 streams were queued"
+            assert loop.time() < deadline + 30, "the 9 streams did not reach the controller"
+            await asyncio.sleep(0.05)
         out = await asyncio.wait_for(asyncio.gather(*jobs), timeout=150)
         await asyncio.wait_for(asyncio.gather(*blockers), timeout=60)
         return out
@@ -285,7 +295,6 @@ def test_concurrent_streams_three_tenants(served):
     assert last["c"] < last["a"], order  # arrival order would finish every a first
     mean = {t: sum(i for i, x in enumerate(order) if x == t) / 3 for t in WEIGHTS}
     assert mean["c"] < mean["a"], order
-    handle = serve.get_app_handle("fairbatch")
     ctrl_tenants = handle.cluster_tenants.remote().result(timeout_s=30)
     for t, w in WEIGHTS.items():
         assert ctrl_tenants[t][0] == w  # the weights reached the global queue's policy
