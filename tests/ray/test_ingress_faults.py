@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import time
 from types import SimpleNamespace
 
@@ -100,16 +99,9 @@ def ingress_running() -> int:
 
 
 @pytest.fixture(scope="module")
-def served():
+def served(ray_starter):
     http_port = free_port()
-    ray.init(
-        num_cpus=2,
-        num_gpus=1,
-        include_dashboard=False,
-        _temp_dir=os.environ["RAY_TMPDIR"],
-        log_to_driver=False,
-        configure_logging=False,
-    )
+    ray_starter(num_gpus=1)
     try:
         base = run_serve_app(app_args(), http_port, DEPLOY_TIMEOUT_S)
         handle = serve.get_app_handle("fairbatch")
