@@ -97,6 +97,22 @@ def build_core(cfg: ReplicaConfig) -> EngineCore:
     )
 
 
+async def actor_is_dead(handle: Any, timeout_s: float) -> bool:
+    """True only when Ray says the actor behind `handle` died (ActorDiedError). Unreachable
+    for now, slow to answer, or any other error is not proof of death: False."""
+    from ray.exceptions import ActorUnavailableError, RayActorError
+
+    try:
+        await asyncio.wait_for(handle.__ray_ready__.remote(), timeout_s)
+    except ActorUnavailableError:  # a subclass of RayActorError: not known dead
+        return False
+    except RayActorError:
+        return True
+    except Exception:
+        return False
+    return False
+
+
 class Replica:
     def __init__(
         self,
@@ -287,17 +303,9 @@ class Replica:
                 await asyncio.gather(*(self._check_owner(a, h, ids) for a, (h, ids) in owners))
 
     async def _check_owner(self, actor_id: str, handle: Any, ids: set[str]) -> None:
-        from ray.exceptions import ActorUnavailableError, RayActorError
-
-        try:
-            await asyncio.wait_for(handle.__ray_ready__.remote(), self.owner_ping_timeout_s)
+        if not await actor_is_dead(handle, self.owner_ping_timeout_s):
             return
-        except ActorUnavailableError:  # unreachable for now, not known dead
-            return
-        except RayActorError:  # dead (ActorDiedError): nobody reads these streams any more
-            pass
-        except Exception:  # slow, or something else: not proof of death
-            return
+        # dead: nobody reads these streams any more
         log.info("caller %s died: aborting its %d request(s)", actor_id, len(ids))
         self._owners.pop(actor_id, None)
         for rid in list(ids):

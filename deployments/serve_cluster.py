@@ -32,7 +32,7 @@ from fairbatch.deployments.client import ClusterClient
 from fairbatch.deployments.controller import Controller
 from fairbatch.deployments.fairness import ControllerConfig
 from fairbatch.deployments.metrics import Deltas, RequestTimer, get_metrics
-from fairbatch.deployments.replica import Replica, ReplicaConfig
+from fairbatch.deployments.replica import Replica, ReplicaConfig, actor_is_dead
 from fairbatch.deployments.replica_set import ReplicaSet, ReplicaSpec
 from fairbatch.engine.core import RequestDelta
 from fairbatch.engine.sampling_params import SamplingParams
@@ -90,21 +90,8 @@ class ClusterController(Controller):
         return len(self.users)
 
     async def _forget_dead_users(self) -> None:
-        from ray.exceptions import ActorUnavailableError, RayActorError
-
-        async def dead(handle: Any) -> bool:
-            try:
-                await asyncio.wait_for(handle.__ray_ready__.remote(), UPDATE_TIMEOUT_S)
-            except ActorUnavailableError:  # unreachable for now: still counted
-                return False
-            except RayActorError:  # died without detaching
-                return True
-            except Exception:  # slow or unknown: still counted
-                return False
-            return False
-
         users = [(u, h) for u, h in self.users.items() if h is not None]
-        verdicts = await asyncio.gather(*(dead(h) for _, h in users))
+        verdicts = await asyncio.gather(*(actor_is_dead(h, UPDATE_TIMEOUT_S) for _, h in users))
         for (user, _), is_dead in zip(users, verdicts):
             if is_dead:
                 log.info("ingress %s died without detaching: no longer counted", user)
