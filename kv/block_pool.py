@@ -16,19 +16,19 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 
 class KVBlock:
     """One block of `block_size` token slots. Threaded into the free list by prev/next."""
 
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "token_ids", "prev_free", "next_free")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "token_bytes", "prev_free", "next_free")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: bytes | None = None  # set while registered in the prefix cache
-        self.token_ids: tuple[int, ...] | None = None  # the tokens the hash was computed from
+        self.token_bytes: bytes | None = None  # pack_tokens() of the tokens the hash covers
         self.prev_free: KVBlock | None = None
         self.next_free: KVBlock | None = None
 
@@ -42,13 +42,29 @@ def hash_block(parent: bytes | None, token_ids: Sequence[int], salt: str | None)
 
     The salt (a tenant or sharing group) enters the first block only; the chain carries it on.
     """
-    h = hashlib.blake2b(digest_size=16)
+    return hash_packed(parent, pack_tokens(token_ids), salt)
+
+
+def hash_packed(parent: bytes | None, token_bytes: bytes, salt: str | None) -> bytes:
+    """`hash_block` of tokens already packed by `pack_tokens`: blake2b-128 of the parent hash
+    (or, for a first block, a tag and the salt) followed by the packed tokens."""
     if parent is None:
-        h.update(b"\x00" if salt is None else b"\x01" + salt.encode())
-    else:
-        h.update(parent)
-    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
-    return h.digest()
+        parent = b"\x00" if salt is None else b"\x01" + salt.encode()
+    return _blake2b(parent + token_bytes, digest_size=16).digest()
+
+
+def pack_tokens(token_ids: Sequence[int]) -> bytes:
+    """Token ids as little-endian int64s: what a block's hash covers and what a cache hit is
+    checked against (one bytes object: no per-token objects to keep alive or free)."""
+    n = len(token_ids)
+    packer = _PACKERS.get(n)
+    if packer is None:
+        packer = _PACKERS[n] = struct.Struct(f"<{n}q").pack
+    return packer(*token_ids)
+
+
+_blake2b = hashlib.blake2b
+_PACKERS: dict[int, Callable[..., bytes]] = {}  # block length -> its struct packer
 
 
 class FreeBlockQueue:
@@ -82,6 +98,24 @@ class FreeBlockQueue:
             raise IndexError("no free blocks")
         self.remove(block)
         return block
+
+    def popleft_n(self, n: int) -> list[KVBlock]:
+        """The first n blocks, unlinked as one run (a step's allocations: one call, not n)."""
+        if n > self.num_free:
+            raise IndexError(f"{n} blocks asked, {self.num_free} free")
+        out = []
+        block = self.head.next_free
+        for _ in range(n):
+            assert block is not None
+            out.append(block)
+            nxt = block.next_free
+            block.prev_free = block.next_free = None
+            block = nxt
+        assert block is not None
+        self.head.next_free = block
+        block.prev_free = self.head
+        self.num_free -= n
+        return out
 
     def remove(self, block: KVBlock) -> None:
         prev, nxt = block.prev_free, block.next_free
@@ -137,13 +171,11 @@ class BlockPool:
     def allocate(self, n: int) -> list[KVBlock]:
         if n > self.free_queue.num_free:
             raise ValueError(f"cannot allocate {n} blocks: only {self.free_queue.num_free} free")
-        out = []
-        for _ in range(n):
-            block = self.free_queue.popleft()
+        out = self.free_queue.popleft_n(n)
+        for block in out:
             if block.block_hash is not None:
                 self._evict(block)
             block.ref_cnt = 1
-            out.append(block)
         return out
 
     def free(self, blocks: Iterable[KVBlock]) -> None:
@@ -161,17 +193,25 @@ class BlockPool:
             block.ref_cnt += 1
 
     def lookup(self, block_hash: bytes, token_ids: Sequence[int]) -> KVBlock | None:
+        return self.lookup_packed(block_hash, pack_tokens(token_ids))
+
+    def lookup_packed(self, block_hash: bytes, token_bytes: bytes) -> KVBlock | None:
+        """`lookup` with the tokens already packed by `pack_tokens`."""
         block = self.cached.get(block_hash)
-        if block is None or block.token_ids != tuple(token_ids):
+        if block is None or block.token_bytes != token_bytes:
             return None  # a hash collision must never hand out someone else's K/V
         return block
 
     def cache(self, block: KVBlock, block_hash: bytes, token_ids: Sequence[int]) -> None:
         """Register a full, computed block under its hash (first writer wins on duplicates)."""
+        self.cache_packed(block, block_hash, pack_tokens(token_ids))
+
+    def cache_packed(self, block: KVBlock, block_hash: bytes, token_bytes: bytes) -> None:
+        """`cache` with the tokens already packed by `pack_tokens` (the KV manager's path)."""
         if not self.enable_caching or block.block_hash is not None or block_hash in self.cached:
             return
         block.block_hash = block_hash
-        block.token_ids = tuple(token_ids)
+        block.token_bytes = token_bytes
         self.cached[block_hash] = block
 
     def _evict(self, block: KVBlock) -> None:
@@ -179,13 +219,13 @@ class BlockPool:
         if self.cached.get(block.block_hash) is block:
             del self.cached[block.block_hash]
         block.block_hash = None
-        block.token_ids = None
+        block.token_bytes = None
 
     def reset_cache(self) -> None:
         """Forget every cached hash (blocks in use keep their contents but stop being shareable)."""
         for block in self.cached.values():
             block.block_hash = None
-            block.token_ids = None
+            block.token_bytes = None
         self.cached.clear()
 
     def counts(self) -> tuple[int, int, int]:

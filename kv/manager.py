@@ -11,7 +11,7 @@ Pure Python: no torch. Requests are duck-typed: `.request_id`, `.all_token_ids`,
 
 from __future__ import annotations
 
-from fairbatch.kv.block_pool import BlockPool, KVBlock, hash_block
+from fairbatch.kv.block_pool import BlockPool, KVBlock, hash_packed, pack_tokens
 
 
 def cdiv(a: int, b: int) -> int:
@@ -59,16 +59,20 @@ class KVCacheManager:
         """Cached blocks holding a prefix of the request's tokens, and how many tokens they cover.
 
         Only for a request with no blocks yet. At least one token is always left to compute,
-        because the step that computes it produces the logits for the next token.
+        because the step that computes it produces the logits for the next token. Blocks are
+        hashed only as far as the lookups go; registration after compute hashes the rest.
         """
         if not self.enable_prefix_caching or request.request_id in self.req_blocks:
             return [], 0
-        hashes = self._hashes(request)
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        tokens, bs = request.all_token_ids, self.block_size
+        hashes = self.req_hashes.setdefault(request.request_id, [])
+        tokens, bs, salt = request.all_token_ids, self.block_size, request.cache_salt
+        lookup = self.gpu_pool.lookup_packed
         hits: list[KVBlock] = []
-        for i in range(min(max_blocks, len(hashes))):
-            block = self.gpu_pool.lookup(hashes[i], tokens[i * bs : (i + 1) * bs])
+        for i in range((len(tokens) - 1) // bs):
+            packed = pack_tokens(tokens[i * bs : (i + 1) * bs])
+            if i == len(hashes):
+                hashes.append(hash_packed(hashes[-1] if i else None, packed, salt))
+            block = lookup(hashes[i], packed)
             if block is None:
                 break
             hits.append(block)
@@ -84,32 +88,68 @@ class KVCacheManager:
         Returns the newly allocated block ids, or None (nothing changed) if the pool is short.
         """
         rid = request.request_id
+        bs = self.block_size
         blocks = self.req_blocks.get(rid)
-        new_computed = new_computed_blocks or []
-        num_computed = request.num_computed_tokens + len(new_computed) * self.block_size
-        num_required = cdiv(num_computed + num_new_tokens, self.block_size)
-        num_have = (0 if blocks is None else len(blocks)) + len(new_computed)
-        num_new = num_required - num_have
-        # Cached hits with no other user sit on the free list: taking them uses up free blocks.
-        num_evictable = sum(1 for b in new_computed if b.ref_cnt == 0)
-        if num_new > self.gpu_pool.num_free_blocks - num_evictable:
+        num_have = 0 if blocks is None else len(blocks)
+        num_computed = request.num_computed_tokens
+        num_evictable = 0
+        if new_computed_blocks:
+            num_computed += len(new_computed_blocks) * bs
+            num_have += len(new_computed_blocks)
+            # Cached hits with no other user sit on the free list: taking them uses free blocks.
+            num_evictable = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        num_new = cdiv(num_computed + num_new_tokens, bs) - num_have
+        if num_new > self.gpu_pool.free_queue.num_free - num_evictable:
             return None
         if blocks is None:
-            blocks = self.req_blocks[rid] = []
-            self.req_block_ids[rid] = []
-            self.num_cached[rid] = 0
-        ids = self.req_block_ids[rid]
-        if new_computed:
-            self.gpu_pool.touch(new_computed)
-            blocks.extend(new_computed)
-            ids.extend(b.block_id for b in new_computed)
+            blocks = self._new_table(rid)
+        if new_computed_blocks:
+            self.gpu_pool.touch(new_computed_blocks)
+            blocks.extend(new_computed_blocks)
+            self.req_block_ids[rid].extend(b.block_id for b in new_computed_blocks)
             self.num_cached[rid] = len(blocks)
-        new_ids: list[int] = []
-        if num_new > 0:
-            new_blocks = self.gpu_pool.allocate(num_new)
-            blocks.extend(new_blocks)
-            new_ids = [b.block_id for b in new_blocks]
-            ids.extend(new_ids)
+        if num_new <= 0:
+            return []
+        return self._append(rid, blocks, self.gpu_pool.allocate(num_new))
+
+    def allocate_slots_batch(self, requests, num_new_tokens) -> list[list[int]] | None:
+        """`allocate_slots(request, n)` for each (request, n) pair, in order, in one call: all
+        of them, or None (nothing changed) if the pool is short of the total. Block ids come
+        out exactly as from one call per request."""
+        req_blocks, bs = self.req_blocks, self.block_size
+        needs = []
+        for request, n in zip(requests, num_new_tokens):
+            blocks = req_blocks.get(request.request_id)
+            held = 0 if blocks is None else len(blocks)
+            needs.append(max(0, cdiv(request.num_computed_tokens + n, bs) - held))
+        total = sum(needs)
+        if total > self.gpu_pool.free_queue.num_free:
+            return None
+        taken = self.gpu_pool.allocate(total)
+        out: list[list[int]] = []
+        pos = 0
+        for request, k in zip(requests, needs):
+            if not k:
+                out.append([])
+                continue
+            rid = request.request_id
+            blocks = req_blocks.get(rid)
+            if blocks is None:
+                blocks = self._new_table(rid)
+            out.append(self._append(rid, blocks, taken[pos : pos + k]))
+            pos += k
+        return out
+
+    def _new_table(self, rid: str) -> list[KVBlock]:
+        blocks = self.req_blocks[rid] = []
+        self.req_block_ids[rid] = []
+        self.num_cached[rid] = 0
+        return blocks
+
+    def _append(self, rid: str, blocks: list[KVBlock], new_blocks: list[KVBlock]) -> list[int]:
+        blocks.extend(new_blocks)
+        new_ids = [b.block_id for b in new_blocks]
+        self.req_block_ids[rid].extend(new_ids)
         return new_ids
 
     def cache_computed_blocks(self, request) -> None:
@@ -117,7 +157,9 @@ class KVCacheManager:
 
         Called after a step advanced num_computed_tokens, never at allocation: a request can be
         preempted between allocation and compute, and a block registered then would hand out
-        K/V that was never written.
+        K/V that was never written. `free` registers whatever computed blocks are left, so a
+        caller may skip this for blocks nobody else can want yet (a running request's newest
+        output: the scheduler does, for plain decodes).
         """
         if self.enable_prefix_caching and request.request_id in self.req_blocks:
             self._cache_full_blocks(request, request.num_computed_tokens // self.block_size)
@@ -125,11 +167,10 @@ class KVCacheManager:
     def _hashes(self, request) -> list[bytes]:
         """Hashes of every full block of the request's tokens, extended incrementally."""
         hashes = self.req_hashes.setdefault(request.request_id, [])
-        tokens, bs = request.all_token_ids, self.block_size
-        num_full = len(tokens) // bs
+        tokens, bs, salt = request.all_token_ids, self.block_size, request.cache_salt
         parent = hashes[-1] if hashes else None
-        for i in range(len(hashes), num_full):
-            parent = hash_block(parent, tokens[i * bs : (i + 1) * bs], request.cache_salt)
+        for i in range(len(hashes), len(tokens) // bs):
+            parent = hash_packed(parent, pack_tokens(tokens[i * bs : (i + 1) * bs]), salt)
             hashes.append(parent)
         return hashes
 
@@ -138,18 +179,31 @@ class KVCacheManager:
         start = self.num_cached[rid]
         if num_full <= start:
             return
-        hashes = self._hashes(request)
+        hashes = self.req_hashes.get(rid)
+        if hashes is None or len(hashes) < start:
+            hashes = self._hashes(request)
         blocks, tokens, bs = self.req_blocks[rid], request.all_token_ids, self.block_size
+        cache = self.gpu_pool.cache_packed
         for i in range(start, num_full):
-            self.gpu_pool.cache(blocks[i], hashes[i], tokens[i * bs : (i + 1) * bs])
+            # pack once for both the hash and the stored copy (reading scattered int objects
+            # is the costly part of a registration)
+            packed = pack_tokens(tokens[i * bs : (i + 1) * bs])
+            if i == len(hashes):
+                hashes.append(hash_packed(hashes[-1] if i else None, packed, request.cache_salt))
+            cache(blocks[i], hashes[i], packed)
         self.num_cached[rid] = num_full
 
     def free(self, request) -> None:
         """Release the request's GPU (and any CPU swap) blocks, tail blocks first so the prefix
         blocks, the likeliest to be reused, are the last evicted."""
         rid = request.request_id
-        blocks = self.req_blocks.pop(rid, None)
+        blocks = self.req_blocks.get(rid)
         if blocks is not None:
+            if self.enable_prefix_caching:
+                # computed blocks not registered yet (the scheduler leaves the ones decodes fill
+                # to this point: one call per request instead of one per block)
+                self._cache_full_blocks(request, request.num_computed_tokens // self.block_size)
+            del self.req_blocks[rid]
             self.gpu_pool.free(reversed(blocks))
         self.req_block_ids.pop(rid, None)
         self.num_cached.pop(rid, None)

@@ -85,6 +85,7 @@ class Policy:
         self.output_weight = float(output_weight)
         self._clock = clock
         self._specs: dict[str, TenantSpec] = {}
+        self._weights: dict[str, float] = {}  # name -> spec.weight (read per tenant per step)
         self._ring: dict[str, int] = {}  # registration number of each tenant (round robin)
         self._counters: dict[str, float] = {}  # mutated in place: orders hold references
         self._service: dict[str, float] = {}
@@ -140,6 +141,7 @@ class Policy:
             self._counters[name] = 0.0
             self._service[name] = 0.0
         self._specs[name] = spec
+        self._weights[name] = spec.weight
         self._set_quota(name, spec.tokens_per_minute)
         self._stale = True
 
@@ -259,17 +261,22 @@ class Policy:
     def charge_step(self, prefill: Mapping[str, int], decode: Mapping[str, int]) -> None:
         """`charge` for every tenant of one step (tenant -> tokens), in one call: the scheduler
         charges up to one tenant per running request each step, so this loop is hot."""
-        specs = self._specs
+        weights = self._weights
         service = self._service
         counters = self._counters
         wi, wo = self.input_weight, self.output_weight
-        for tenant in prefill.keys() | decode.keys() if prefill else decode:
-            spec = specs.get(tenant) or self.tenant(tenant)
-            p = prefill.get(tenant, 0)
-            d = decode.get(tenant, 0)
-            cost = wi * p + wo * d
+        for tenant in prefill.keys() - weights.keys() | decode.keys() - weights.keys():
+            self.tenant(tenant)  # unknown tenants are registered with defaults, as by charge()
+        for tenant, d in decode.items():
+            if prefill and tenant in prefill:
+                continue  # charged with its prefill below
+            cost = wo * d
             service[tenant] += cost
-            counters[tenant] += cost / spec.weight
+            counters[tenant] += cost / weights[tenant]
+        for tenant, p in prefill.items():
+            cost = wi * p + wo * decode.get(tenant, 0)
+            service[tenant] += cost
+            counters[tenant] += cost / weights[tenant]
         if self._order_uses_counters:
             self._stale = True
         if self._buckets:

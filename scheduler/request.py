@@ -56,6 +56,7 @@ class Request:
         "num_prompt_charged",
         "sampling_params",
         "seq",
+        "plain_decode",
     )
 
     def __init__(
@@ -99,6 +100,9 @@ class Request:
         self.num_prompt_charged = 0
         self.sampling_params = sampling_params  # opaque to the scheduler; the engine's
         self.seq = 0  # admission sequence number, set by the scheduler (FIFO tie-break)
+        # Scheduler-owned: running, and its next step is one token into a slot of its last
+        # block (see Scheduler._attention for the requests that are not)
+        self.plain_decode = False
 
     @property
     def num_tokens(self) -> int:

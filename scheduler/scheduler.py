@@ -17,11 +17,15 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable
+from itertools import islice
+from operator import attrgetter
 
 from fairbatch.kv.manager import KVCacheManager
 from fairbatch.scheduler.config import SchedulerConfig
 from fairbatch.scheduler.output import RunnerOutput, SchedulerOutput, StepUpdates
 from fairbatch.scheduler.request import FINISH_REASONS, Request, RequestStatus
+
+_tenant = attrgetter("tenant")
 
 
 class Scheduler:
@@ -39,6 +43,15 @@ class Scheduler:
         self.max_model_len = min(config.max_model_len, capacity)
         self.requests: dict[str, Request] = {}
         self.running: list[Request] = []
+        # Running requests whose next step is not a plain decode (one token into a slot of their
+        # last block): prefill chunks still to go, decodes that start a new block, and anything
+        # that entered `running` since the last update. Every other running request is plain, so
+        # a step where all of them fit needs no per-request decisions. Ids in `running` order.
+        self._attention: dict[str, Request] = {}
+        # The same set as `running`, kept ready for a step where all of them run: their ids in
+        # order, each mapped to 1 (a plain decode's tokens), and how many each tenant has.
+        self._running_ids: dict[str, int] = {}
+        self._running_tenants: Counter[str] = Counter()
         self.swapped: list[Request] = []
         self._finished_ids: set[str] = set()
         self._seq = 0
@@ -81,7 +94,7 @@ class Scheduler:
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         if request.status == RequestStatus.RUNNING:
-            self.running.remove(request)
+            self._stop_running(request)
         elif request.status == RequestStatus.SWAPPED:
             self.swapped.remove(request)
         else:
@@ -108,6 +121,10 @@ class Scheduler:
         if not out.preempted_swap and not out.preempted_recompute:
             budget = self._schedule_swapped(out, budget)
             self._schedule_waiting(out, budget)
+        if len(out.scheduled) == len(self.running):  # the usual step: everyone runs
+            out.num_scheduled_per_tenant = self._running_tenants.copy()
+        else:
+            out.num_scheduled_per_tenant = Counter(map(_tenant, out.scheduled))
         out.finished_ids, self._finished_ids = self._finished_ids, set()
         return out
 
@@ -123,42 +140,86 @@ class Scheduler:
             out.new_block_ids[rid] = new_ids
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        # The hot loop (every running request, every step): decodes that stay inside their last
-        # block skip the KV manager entirely, and output fields are filled inline.
-        i = 0
+        if self._schedule_all_running(out, budget):
+            return budget - out.total_num_scheduled_tokens
+        return self._schedule_running_in_order(out, budget)
+
+    def _schedule_all_running(self, out: SchedulerOutput, budget: int) -> bool:
+        """The common step: every running request fits in the budget and the free blocks.
+
+        Then each plain decode computes one token and only the requests in `_attention` need a
+        look, so the step costs O(attention) Python work plus C-speed list and dict building.
+        The result is the one `_schedule_running_in_order` would produce (same chunks, same
+        allocation order, same dict order); returns False, changing nothing, if not everyone
+        fits.
+        """
         running = self.running
-        bs = self.kv.block_size
-        scheduled = out.scheduled
-        num_scheduled = out.num_scheduled_tokens
-        total = 0
-        while i < len(running) and budget > 0:
-            request = running[i]
-            computed = request.num_computed_tokens
-            n = len(request.all_token_ids) - computed
-            if n > budget:
-                n = budget
-            if n == 1 and computed % bs:
-                new_ids = None  # the slot is in the request's last, partly filled block
-            else:
-                new_ids = self.kv.allocate_slots(request, n)
-                while new_ids is None:
-                    # Only requests not yet scheduled this step may give way (or this one).
-                    victim = self.policy.pick_victim(running[i:])
-                    self._preempt(victim, out)
-                    if victim is request:
-                        break
-                    new_ids = self.kv.allocate_slots(request, n)
-                if new_ids is None:
-                    continue  # this request was the victim; running[i] is now the next one
-                if new_ids:
-                    out.new_block_ids[request.request_id] = new_ids
-            rid = request.request_id
-            scheduled.append(request)
+        attention = self._attention
+        chunks = [len(r.all_token_ids) - r.num_computed_tokens for r in attention.values()]
+        num_tokens = len(running) - len(attention) + sum(chunks)  # plain decodes: one each
+        if num_tokens > budget:
+            return False
+        new_ids = self.kv.allocate_slots_batch(attention.values(), chunks)
+        if new_ids is None:
+            return False
+        num_scheduled = self._running_ids.copy()
+        new_block_ids = out.new_block_ids
+        for rid, n, ids in zip(attention, chunks, new_ids):
             num_scheduled[rid] = n
-            total += n
-            budget -= n
-            i += 1
-        out.total_num_scheduled_tokens += total
+            if ids:
+                new_block_ids[rid] = ids
+        out.scheduled = running[:]
+        out.num_scheduled_tokens = num_scheduled
+        out.total_num_scheduled_tokens = num_tokens
+        return True
+
+    def _schedule_running_in_order(self, out: SchedulerOutput, budget: int) -> int:
+        # The hot loop (every running request, every step). The requests scheduled here are
+        # always a prefix of `running` (victims come from the unscheduled rest), so the loop
+        # only fills num_scheduled_tokens and `scheduled` is one slice at the end. A decode
+        # that stays inside its last block skips the KV manager entirely.
+        running = self.running
+        kv = self.kv
+        bs = kv.block_size
+        num_scheduled = out.num_scheduled_tokens  # empty: len() = running requests scheduled
+        new_block_ids = out.new_block_ids
+        start_budget = budget
+        while budget > 0:
+            request = None
+            for request in islice(running, len(num_scheduled), None):
+                if budget <= 0:
+                    break
+                computed = request.num_computed_tokens
+                n = len(request.all_token_ids) - computed
+                if n != 1 or not computed % bs:
+                    if n > budget:
+                        n = budget
+                    new_ids = kv.allocate_slots(request, n)
+                    if new_ids is None:
+                        break  # out of blocks: make room below, then go on from here
+                    if new_ids:
+                        new_block_ids[request.request_id] = new_ids
+                num_scheduled[request.request_id] = n
+                budget -= n
+            else:
+                break  # every running request is scheduled
+            if budget <= 0:
+                break
+            # `request` did not fit: only requests not yet scheduled may give way (or itself)
+            while True:
+                victim = self.policy.pick_victim(running[len(num_scheduled) :])
+                self._preempt(victim, out)
+                if victim is request:
+                    break
+                new_ids = kv.allocate_slots(request, n)
+                if new_ids is not None:
+                    if new_ids:
+                        new_block_ids[request.request_id] = new_ids
+                    num_scheduled[request.request_id] = n
+                    budget -= n
+                    break
+        out.scheduled = running[: len(num_scheduled)]
+        out.total_num_scheduled_tokens = start_budget - budget
         return budget
 
     def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
@@ -178,8 +239,7 @@ class Scheduler:
             self.num_swapped_blocks["in"] += len(mapping)
             new_ids = self.kv.allocate_slots(request, n)
             assert new_ids is not None  # checked by can_swap_in above
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            self._start_running(request)
             self._add_scheduled(out, request, n, new_ids)
             budget -= n
         return budget
@@ -188,6 +248,8 @@ class Scheduler:
         policy = self.policy
         request = None  # once chosen, a request keeps its turn while room is made for it
         while budget > 0:
+            if len(self.running) >= self.config.max_num_seqs and not self.priority_preemption:
+                return  # no seat, and nobody may take one: spare the policy its peek
             if request is None:
                 request = policy.peek()
                 if request is None:
@@ -214,11 +276,30 @@ class Scheduler:
             policy.remove(request, served=True)
             request.num_computed_tokens += num_cached_tokens
             self.num_prefix_hit_tokens += num_cached_tokens
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            self._start_running(request)
             self._add_scheduled(out, request, n, new_ids)
             budget -= n
             request = None
+
+    def _start_running(self, request: Request) -> None:
+        rid = request.request_id
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        self._attention[rid] = request  # until an update says what its next step is
+        self._running_ids[rid] = 1
+        self._running_tenants[request.tenant] += 1
+
+    def _stop_running(self, request: Request) -> None:
+        rid = request.request_id
+        self.running.remove(request)
+        self._attention.pop(rid, None)
+        del self._running_ids[rid]
+        tenants = self._running_tenants
+        if tenants[request.tenant] == 1:
+            del tenants[request.tenant]
+        else:
+            tenants[request.tenant] -= 1
+        request.plain_decode = False
 
     def _preempt_lower(self, request: Request, out: SchedulerOutput) -> bool:
         """Make room for `request` by preempting a running request of strictly lower priority."""
@@ -237,7 +318,7 @@ class Scheduler:
         return True
 
     def _preempt(self, victim: Request, out: SchedulerOutput, mode: str | None = None) -> None:
-        self.running.remove(victim)
+        self._stop_running(victim)
         victim.num_preemptions += 1
         mode = mode or self._preemption_mode(victim)
         if mode == "swap":
@@ -278,44 +359,87 @@ class Scheduler:
         new_tokens = dict(sampled)
         finished: dict[str, str] = {}
         prefill: dict[str, int] = {}
-        decoded: list[str] = []  # the tenant of every sampled token
+        # tokens sampled per tenant: every scheduled request's, less the ones that sample none
+        decoded = Counter(scheduler_output.num_scheduled_per_tenant)
         num_scheduled = scheduler_output.num_scheduled_tokens
         bs = self.kv.block_size
         caching = self.kv.enable_prefix_caching
         running = RequestStatus.RUNNING
+        # Running requests that were not scheduled keep their place in `_attention` (they are
+        # all behind the scheduled ones in `running`, so the dict stays in `running` order).
+        attention = {
+            rid: r
+            for rid, r in self._attention.items()
+            if rid not in num_scheduled and r.status is running
+        }
         for request in scheduler_output.scheduled:
+            if request.plain_decode:  # the common case, kept short: see _attention
+                rid = request.request_id
+                token = sampled[rid]  # a plain decode always reaches the end of its tokens
+                after = request.num_computed_tokens + 1
+                request.num_computed_tokens = after
+                # A block it fills is registered in the prefix cache when the request frees its
+                # blocks (KVCacheManager.free): no other request can hold these tokens before.
+                in_block = after % bs  # 0: it filled its last block
+                request.output_token_ids.append(token)
+                all_ids = request.all_token_ids
+                all_ids.append(token)
+                if token in request.stop_token_ids or len(all_ids) >= request.max_num_tokens:
+                    finished[rid] = self._finish_on(request, token)
+                elif not in_block:  # the next token needs a new block
+                    request.plain_decode = False
+                    attention[rid] = request
+                continue
             rid = request.request_id
             if request.status is not running:
                 new_tokens.pop(rid, None)  # aborted or finished between schedule() and now
+                decoded[request.tenant] -= 1
                 continue
-            before = request.num_computed_tokens
-            after = request.num_computed_tokens = before + num_scheduled[rid]
-            if caching and after // bs != before // bs:
+            n = num_scheduled[rid]
+            after = request.num_computed_tokens + n
+            request.num_computed_tokens = after
+            in_block = after % bs  # 0: the next token starts a new block
+            if in_block < n and caching:  # the chunk filled a block
                 self.kv.cache_computed_blocks(request)
-            charged = request.num_prompt_charged
-            if charged < request.num_prompt_tokens:
-                new_prompt = min(after, request.num_prompt_tokens)
-                if new_prompt > charged:
-                    t = request.tenant
-                    prefill[t] = prefill.get(t, 0) + new_prompt - charged
-                    request.num_prompt_charged = new_prompt
+            if request.num_prompt_charged < request.num_prompt_tokens:
+                self._charge_prompt(request, after, prefill)
             token = sampled.get(rid)
             if token is None:
-                continue  # a prefill chunk that did not reach the end of the prompt
+                attention[rid] = request  # a prefill chunk that did not reach the prompt's end
+                decoded[request.tenant] -= 1
+                continue
             request.output_token_ids.append(token)
             all_ids = request.all_token_ids
             all_ids.append(token)
-            decoded.append(request.tenant)
-            if token in request.stop_token_ids:
-                status = RequestStatus.FINISHED_STOPPED
-            elif len(all_ids) >= request.max_num_tokens:  # max_tokens or the context limit
-                status = RequestStatus.FINISHED_LENGTH
+            if token in request.stop_token_ids or len(all_ids) >= request.max_num_tokens:
+                finished[rid] = self._finish_on(request, token)
+            elif in_block:
+                request.plain_decode = True
             else:
-                continue
-            self._finish(request, status)
-            finished[rid] = FINISH_REASONS[status]
-        self.policy.charge_step(prefill, Counter(decoded))
+                attention[rid] = request
+        self._attention = attention
+        self.policy.charge_step(prefill, decoded)  # a tenant at 0 is charged nothing
         return StepUpdates(new_tokens, finished)
+
+    def _finish_on(self, request: Request, token: int) -> str:
+        """Finish a request whose last token is a stop token or reached its length limit."""
+        if token in request.stop_token_ids:
+            status = RequestStatus.FINISHED_STOPPED
+        else:
+            status = RequestStatus.FINISHED_LENGTH  # max_tokens or the context limit
+        self._finish(request, status)
+        return FINISH_REASONS[status]
+
+    @staticmethod
+    def _charge_prompt(request: Request, num_computed: int, prefill: dict[str, int]) -> None:
+        """Add the prompt tokens computed for the first time to the tenant's prefill count
+        (recompute after a preemption is not the tenant's doing and is not charged again)."""
+        new_prompt = min(num_computed, request.num_prompt_tokens)
+        charged = request.num_prompt_charged
+        if new_prompt > charged:
+            t = request.tenant
+            prefill[t] = prefill.get(t, 0) + new_prompt - charged
+            request.num_prompt_charged = new_prompt
 
     # ---- hooks for the cluster controller ---------------------------------------------------
 
@@ -387,5 +511,15 @@ class Scheduler:
         assert n == len(self.requests), "a request is in no queue, or in two"
         for r in self.running:
             assert r.status == RequestStatus.RUNNING
+        assert list(self._running_ids) == [r.request_id for r in self.running]
+        assert self._running_tenants == Counter(r.tenant for r in self.running)
+        in_order = [r.request_id for r in self.running if r.request_id in self._attention]
+        assert in_order == list(self._attention), "attention is not running requests in order"
+        bs = self.kv.block_size
+        for r in self.running:
+            assert r.plain_decode == (r.request_id not in self._attention)
+            if r.plain_decode:  # one token into a slot of its last block
+                assert r.num_tokens - r.num_computed_tokens == 1, f"{r} is not a plain decode"
+                assert r.num_computed_tokens % bs, f"{r} needs a new block"
         for r in self.swapped:
             assert r.status == RequestStatus.SWAPPED

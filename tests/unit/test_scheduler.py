@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+from collections import Counter
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -330,6 +331,126 @@ def test_random_operations_keep_invariants(ops, policy, mode, budget, seats, cac
         limit = min(max_tokens, 40 - len(prompt))
         assert got[rid] == reference_tokens(prompt, limit), rid
         assert finished[rid] == "length"
+
+
+def _in_order_only(sched: Scheduler) -> Scheduler:
+    """The same scheduler without its all-running shortcut: every step walks `running`."""
+    sched._schedule_all_running = lambda out, budget: False
+    return sched
+
+
+def _output_fields(out) -> tuple:
+    return (
+        [r.request_id for r in out.scheduled],
+        list(out.num_scheduled_tokens.items()),  # order too: it is the batch order
+        out.total_num_scheduled_tokens,
+        out.new_block_ids,
+        out.swap_in,
+        out.swap_out,
+        out.preempted_swap,
+        out.preempted_recompute,
+        out.finished_ids,
+        dict(out.num_scheduled_per_tenant),
+    )
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    ops=st.lists(
+        st.one_of(
+            st.tuples(
+                st.just("add"),
+                st.integers(1, 20),
+                st.integers(1, 16),
+                st.integers(0, 2),
+                st.integers(0, 2),
+            ),
+            st.tuples(st.just("step")),
+            st.tuples(st.just("step")),
+            st.tuples(st.just("step")),
+            st.tuples(st.just("abort"), st.integers(0, 30)),
+            st.tuples(st.just("abort_mid_step"), st.integers(0, 30)),
+            st.tuples(
+                st.just("preempt"), st.integers(0, 30), st.sampled_from(["swap", "recompute"])
+            ),
+        ),
+        min_size=1,
+        max_size=80,
+    ),
+    policy=st.sampled_from(["fcfs", "round_robin", "weighted_fair", "priority"]),
+    budget=st.integers(1, 40),
+    seats=st.integers(1, 8),
+    num_blocks=st.integers(6, 40),
+    caching=st.booleans(),
+)
+def test_all_running_shortcut_equals_the_in_order_walk(
+    ops, policy, budget, seats, num_blocks, caching
+):
+    """Every output and update of a scheduler that takes the shortcut when all running
+    requests fit equals those of one that always walks `running` in order."""
+
+    def build() -> Scheduler:
+        return make_sched(
+            num_blocks=num_blocks,
+            block_size=4,
+            cpu_blocks=8,
+            policy=policy,
+            caching=caching,
+            max_num_batched_tokens=budget,
+            max_num_seqs=seats,
+            max_model_len=min(60, num_blocks * 4),
+        )
+
+    fast, slow = build(), _in_order_only(build())
+    runners = FakeRunner(VOCAB), FakeRunner(VOCAB)
+    charged: Counter[str] = Counter()  # decode tokens charged per tenant
+    delivered: Counter[str] = Counter()  # tokens the updates handed out per tenant
+    charge_step = fast.policy.charge_step
+
+    def recording_charge_step(prefill, decode):
+        charged.update(decode)
+        charge_step(prefill, decode)
+
+    fast.policy.charge_step = recording_charge_step
+    tenant_of: dict[str, str] = {}
+    n = 0
+    for op in [*ops, *[("step",)] * 300]:
+        if op[0] == "add":
+            _, plen, max_tokens, tenant, prio = op
+            prompt = [(n * 7 + j) % 50 for j in range(plen)]
+            tenant_of[f"r{n}"] = f"t{tenant}"
+            for sched in (fast, slow):
+                if plen < sched.max_model_len:
+                    sched.add_request(
+                        Request(
+                            f"r{n}", list(prompt), max_tokens, tenant=f"t{tenant}", priority=prio
+                        )
+                    )
+            n += 1
+        elif op[0] in ("step", "abort_mid_step"):
+            outs = [sched.schedule() for sched in (fast, slow)]
+            assert _output_fields(outs[0]) == _output_fields(outs[1])
+            if op[0] == "abort_mid_step" and fast.running:  # between schedule and update
+                rid = fast.running[op[1] % len(fast.running)].request_id
+                assert fast.abort(rid) and slow.abort(rid)
+            ups = [
+                sched.update_from_output(out, runner.execute(out))
+                for sched, out, runner in zip((fast, slow), outs, runners)
+            ]
+            assert (ups[0].new_tokens, ups[0].finished) == (ups[1].new_tokens, ups[1].finished)
+            delivered.update(tenant_of[rid] for rid in ups[0].new_tokens)
+        elif op[0] == "abort":
+            assert fast.abort(f"r{op[1]}") == slow.abort(f"r{op[1]}")
+        else:
+            outs = [sched.preempt(f"r{op[1]}", op[2]) for sched in (fast, slow)]
+            assert (outs[0] is None) == (outs[1] is None)
+            if outs[0] is not None:
+                assert _output_fields(outs[0]) == _output_fields(outs[1])
+        for sched in (fast, slow):
+            sched.check_integrity()
+        assert fast.policy.counters() == slow.policy.counters()
+    assert not fast.has_unfinished and not slow.has_unfinished
+    assert +charged == delivered  # a request aborted mid-step is charged for nothing it lost
 
 
 def _service_run(policy: str, steps: int, weights=(3.0, 1.0), arrivals=(1, 1)):
