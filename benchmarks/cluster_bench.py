@@ -88,18 +88,6 @@ class SimReplica:
         )
         kv = KVCacheManager(wl.num_gpu_blocks, wl.block_size, 512)
         self.core = EngineCore(Scheduler(cfg, kv, make_policy(policy, specs)), self.runner)
-        self.ledger: dict[str, list[int]] = {}
-        policy_obj = self.core.scheduler.policy
-        charge_step = policy_obj.charge_step
-
-        def recorded(prefill: dict[str, int], decode: dict[str, int]) -> None:
-            # the scheduler's one charge per step: record prefill and decode apart
-            charge_step(prefill, decode)
-            for i, tokens in ((0, prefill), (1, decode)):
-                for tenant, n in tokens.items():
-                    self.ledger.setdefault(tenant, [0, 0])[i] += n
-
-        policy_obj.charge_step = recorded
         self.finished: list[tuple[str, int]] = []
         self.seq = 0
         self.next_report = 0.0
@@ -119,7 +107,7 @@ class SimReplica:
             num_running=len(s.running),
             num_swapped=len(s.swapped),
             num_steps=self.runner.num_steps,
-            service={t: (v[0], v[1]) for t, v in self.ledger.items()},
+            service=self.core.scheduler.policy.tokens(),
             finished=self.finished,
             active={
                 rid: (r.tenant, r.priority, rid in running, r.max_tokens, r.num_output_tokens)

@@ -128,8 +128,6 @@ class Replica:
         self.core = build_core(config)
         self.time_scale = config.time_scale
         self.engine = AsyncEngine(self.core, step_hook=self._pace)
-        self._ledger: dict[str, list[int]] = {}  # tenant -> [prefill, decode] raw tokens
-        self._wrap_charge()
         self._moves: dict[str, Moved] = {}
         self._finished: list[tuple[str, int]] = []  # (id, output tokens) left since last report
         self._meta: dict[str, tuple[str, int, int]] = {}  # id -> (tenant, priority, max_tokens)
@@ -143,37 +141,6 @@ class Replica:
         self._controller: Any = None
         self._owners: dict[str, tuple[Any, set[str]]] = {}  # caller actor id -> (handle, ids)
         self._owner_watch: asyncio.Task | None = None
-
-    def _wrap_charge(self) -> None:
-        # The scheduler charges the policy after every step; record prefill and decode apart
-        # (the controller pre-charges prompts at admission and needs only the decode part).
-        policy = self.core.scheduler.policy
-        charge = policy.charge
-        ledger = self._ledger
-
-        def recorded(tenant: str, prefill: int, decode: int) -> None:
-            charge(tenant, prefill, decode)
-            row = ledger.get(tenant)
-            if row is None:
-                row = ledger[tenant] = [0, 0]
-            row[0] += prefill
-            row[1] += decode
-
-        policy.charge = recorded
-        charge_step = getattr(policy, "charge_step", None)
-        if charge_step is None:
-            return
-
-        def recorded_step(prefill, decode) -> None:  # the scheduler's one call per step
-            charge_step(prefill, decode)
-            for i, tokens in ((0, prefill), (1, decode)):
-                for tenant, n in tokens.items():
-                    row = ledger.get(tenant)
-                    if row is None:
-                        row = ledger[tenant] = [0, 0]
-                    row[i] += n
-
-        policy.charge_step = recorded_step
 
     def _pace(self) -> None:
         # On the engine thread after each step: a sim replica takes as long as its GPU would.
@@ -382,7 +349,7 @@ class Replica:
                 "replica_id": self.replica_id,
                 "num_steps": self.engine.num_steps,
                 "service": s.policy.service(),
-                "tokens": {t: tuple(v) for t, v in self._ledger.items()},
+                "tokens": s.policy.tokens(),
                 "counters": s.policy.counters(),
                 "free_blocks": s.kv.num_free_blocks,
                 "running": len(s.running),
@@ -461,7 +428,9 @@ class Replica:
             num_running=len(s.running),
             num_swapped=len(s.swapped),
             num_steps=self.engine.num_steps,
-            service={t: (v[0], v[1]) for t, v in list(self._ledger.items())},
+            # raw (prefill, decode) tokens per tenant: the controller pre-charges prompts at
+            # admission and takes only the decode part
+            service=s.policy.tokens(),
             finished=list(self._finished),
             active={
                 rid: (tenant, prio, rid in running, max_tokens, self._num_out(rid))

@@ -57,10 +57,12 @@ def pack_tokens(token_ids: Sequence[int]) -> bytes:
     """Token ids as little-endian int64s: what a block's hash covers and what a cache hit is
     checked against (one bytes object: no per-token objects to keep alive or free)."""
     n = len(token_ids)
-    packer = _PACKERS.get(n)
-    if packer is None:
-        packer = _PACKERS[n] = struct.Struct(f"<{n}q").pack
-    return packer(*token_ids)
+    return (_PACKERS.get(n) or _packer(n))(*token_ids)
+
+
+def _packer(n: int) -> Callable[..., bytes]:
+    packer = _PACKERS[n] = struct.Struct(f"<{n}q").pack
+    return packer
 
 
 _blake2b = hashlib.blake2b
@@ -80,17 +82,25 @@ class FreeBlockQueue:
         self.head.next_free = self.tail
         self.tail.prev_free = self.head
         self.num_free = 0
-        for block in blocks:
-            self.append(block)
+        self.extend(blocks)
 
     def append(self, block: KVBlock) -> None:
-        last = self.tail.prev_free
+        self.extend((block,))
+
+    def extend(self, blocks: Iterable[KVBlock]) -> None:
+        """Append blocks at the tail in the order given (a finished request's: one call)."""
+        tail = self.tail
+        last = tail.prev_free
         assert last is not None
-        last.next_free = block
-        block.prev_free = last
-        block.next_free = self.tail
-        self.tail.prev_free = block
-        self.num_free += 1
+        n = 0
+        for block in blocks:
+            last.next_free = block
+            block.prev_free = last
+            last = block
+            n += 1
+        last.next_free = tail
+        tail.prev_free = last
+        self.num_free += n
 
     def popleft(self) -> KVBlock:
         block = self.head.next_free
@@ -105,8 +115,7 @@ class FreeBlockQueue:
             raise IndexError(f"{n} blocks asked, {self.num_free} free")
         out = []
         block = self.head.next_free
-        for _ in range(n):
-            assert block is not None
+        for _ in range(n):  # n <= num_free: never runs into the tail sentinel
             out.append(block)
             nxt = block.next_free
             block.prev_free = block.next_free = None
@@ -172,19 +181,26 @@ class BlockPool:
         if n > self.free_queue.num_free:
             raise ValueError(f"cannot allocate {n} blocks: only {self.free_queue.num_free} free")
         out = self.free_queue.popleft_n(n)
+        cached = self.cached
         for block in out:
-            if block.block_hash is not None:
-                self._evict(block)
+            block_hash = block.block_hash
+            if block_hash is not None:  # evict: the block is reused for other tokens
+                if cached.get(block_hash) is block:
+                    del cached[block_hash]
+                block.block_hash = block.token_bytes = None
             block.ref_cnt = 1
         return out
 
     def free(self, blocks: Iterable[KVBlock]) -> None:
+        released = []
         for block in blocks:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self.free_queue.append(block)
+                released.append(block)
             elif block.ref_cnt < 0:
+                self.free_queue.extend(released)
                 raise AssertionError(f"double free of {block}")
+        self.free_queue.extend(released)
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
         for block in blocks:
@@ -204,22 +220,36 @@ class BlockPool:
 
     def cache(self, block: KVBlock, block_hash: bytes, token_ids: Sequence[int]) -> None:
         """Register a full, computed block under its hash (first writer wins on duplicates)."""
-        self.cache_packed(block, block_hash, pack_tokens(token_ids))
+        self.cache_run([block], token_ids, [block_hash], 0, 1, None)
 
-    def cache_packed(self, block: KVBlock, block_hash: bytes, token_bytes: bytes) -> None:
-        """`cache` with the tokens already packed by `pack_tokens` (the KV manager's path)."""
-        if not self.enable_caching or block.block_hash is not None or block_hash in self.cached:
-            return
-        block.block_hash = block_hash
-        block.token_bytes = token_bytes
-        self.cached[block_hash] = block
+    def cache_run(
+        self,
+        blocks: Sequence[KVBlock],
+        token_ids: Sequence[int],
+        hashes: list[bytes],
+        start: int,
+        stop: int,
+        salt: str | None,
+    ) -> None:
+        """Register blocks[start:stop] of one sequence, whose tokens are `token_ids`.
 
-    def _evict(self, block: KVBlock) -> None:
-        assert block.block_hash is not None
-        if self.cached.get(block.block_hash) is block:
-            del self.cached[block.block_hash]
-        block.block_hash = None
-        block.token_bytes = None
+        `hashes` holds the sequence's chained block hashes as far as known (at least `start`
+        of them); missing ones are computed and appended. One loop with the packing, hashing
+        and registration inline: this runs for every block any request fills.
+        """
+        bs = self.block_size
+        pack = _PACKERS.get(bs) or _packer(bs)
+        cached = self.cached
+        enabled = self.enable_caching
+        for i in range(start, stop):
+            packed = pack(*token_ids[i * bs : (i + 1) * bs])
+            if i == len(hashes):
+                hashes.append(hash_packed(hashes[i - 1] if i else None, packed, salt))
+            block, block_hash = blocks[i], hashes[i]
+            if enabled and block.block_hash is None and block_hash not in cached:
+                block.block_hash = block_hash
+                block.token_bytes = packed
+                cached[block_hash] = block
 
     def reset_cache(self) -> None:
         """Forget every cached hash (blocks in use keep their contents but stop being shareable)."""

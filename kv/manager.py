@@ -118,18 +118,20 @@ class KVCacheManager:
         out exactly as from one call per request."""
         req_blocks, bs = self.req_blocks, self.block_size
         needs = []
+        total = 0
         for request, n in zip(requests, num_new_tokens):
             blocks = req_blocks.get(request.request_id)
-            held = 0 if blocks is None else len(blocks)
-            needs.append(max(0, cdiv(request.num_computed_tokens + n, bs) - held))
-        total = sum(needs)
+            k = (request.num_computed_tokens + n + bs - 1) // bs - (len(blocks) if blocks else 0)
+            if k > 0:
+                total += k
+            needs.append(k)
         if total > self.gpu_pool.free_queue.num_free:
             return None
         taken = self.gpu_pool.allocate(total)
         out: list[list[int]] = []
         pos = 0
         for request, k in zip(requests, needs):
-            if not k:
+            if k <= 0:
                 out.append([])
                 continue
             rid = request.request_id
@@ -182,15 +184,9 @@ class KVCacheManager:
         hashes = self.req_hashes.get(rid)
         if hashes is None or len(hashes) < start:
             hashes = self._hashes(request)
-        blocks, tokens, bs = self.req_blocks[rid], request.all_token_ids, self.block_size
-        cache = self.gpu_pool.cache_packed
-        for i in range(start, num_full):
-            # pack once for both the hash and the stored copy (reading scattered int objects
-            # is the costly part of a registration)
-            packed = pack_tokens(tokens[i * bs : (i + 1) * bs])
-            if i == len(hashes):
-                hashes.append(hash_packed(hashes[-1] if i else None, packed, request.cache_salt))
-            cache(blocks[i], hashes[i], packed)
+        self.gpu_pool.cache_run(
+            self.req_blocks[rid], request.all_token_ids, hashes, start, num_full, request.cache_salt
+        )
         self.num_cached[rid] = num_full
 
     def free(self, request) -> None:

@@ -89,6 +89,14 @@ class Policy:
         self._ring: dict[str, int] = {}  # registration number of each tenant (round robin)
         self._counters: dict[str, float] = {}  # mutated in place: orders hold references
         self._service: dict[str, float] = {}
+        self._tokens: dict[str, list[int]] = {}  # name -> [prefill, decode] raw tokens charged
+        # Decode charged by rate (the scheduler's per-step path): `_rates[t]` requests of t
+        # decode one token every step; `charge_decode_step` only counts `_decode_steps`, and
+        # t's counter, service and tokens lag by rate x (_decode_steps - _settled[t]) until
+        # `_settle(t)`. Everything that reads them settles first: the lag is never visible.
+        self._rates: dict[str, int] = {}  # only tenants with a rate > 0
+        self._decode_steps = 0
+        self._settled: dict[str, int] = {}
         self._buckets: dict[str, TokenBucket] = {}
         self._throttled: set[str] = set()  # tenants with a bucket <= 0 as of the last check
         self._next_wake = _NEVER  # earliest time a throttled tenant may be eligible again
@@ -140,6 +148,10 @@ class Policy:
             self._ring[name] = len(self._ring)
             self._counters[name] = 0.0
             self._service[name] = 0.0
+            self._tokens[name] = [0, 0]
+            self._settled[name] = self._decode_steps
+        else:
+            self._settle(name)  # steps so far are charged at the old weight
         self._specs[name] = spec
         self._weights[name] = spec.weight
         self._set_quota(name, spec.tokens_per_minute)
@@ -244,53 +256,103 @@ class Policy:
 
     def charge(self, tenant: str, prefill_tokens: int, decode_tokens: int) -> None:
         """Account one step's computed tokens of `tenant`. O(1)."""
-        spec = self._specs.get(tenant) or self.tenant(tenant)
-        cost = self.input_weight * prefill_tokens + self.output_weight * decode_tokens
-        self._service[tenant] += cost
-        self._counters[tenant] += cost / spec.weight
+        if tenant not in self._specs:
+            self.tenant(tenant)
+        self._settle(tenant)
+        self._add(tenant, prefill_tokens, decode_tokens)
         if self._order_uses_counters:
             self._stale = True
         if self._buckets:  # most deployments have no quotas: skip the clock
-            bucket = self._buckets.get(tenant)
-            if bucket is not None:
-                now = self._clock()
-                level = bucket.consume(prefill_tokens + decode_tokens, now)
-                if level <= 0 and tenant not in self._throttled:
-                    self._throttle(tenant, bucket, now)
+            self._consume(tenant, prefill_tokens + decode_tokens)
 
     def charge_step(self, prefill: Mapping[str, int], decode: Mapping[str, int]) -> None:
-        """`charge` for every tenant of one step (tenant -> tokens), in one call: the scheduler
-        charges up to one tenant per running request each step, so this loop is hot."""
-        weights = self._weights
-        service = self._service
-        counters = self._counters
-        wi, wo = self.input_weight, self.output_weight
-        for tenant in prefill.keys() - weights.keys() | decode.keys() - weights.keys():
-            self.tenant(tenant)  # unknown tenants are registered with defaults, as by charge()
-        for tenant, d in decode.items():
-            if prefill and tenant in prefill:
-                continue  # charged with its prefill below
-            cost = wo * d
-            service[tenant] += cost
-            counters[tenant] += cost / weights[tenant]
-        for tenant, p in prefill.items():
-            cost = wi * p + wo * decode.get(tenant, 0)
-            service[tenant] += cost
-            counters[tenant] += cost / weights[tenant]
+        """`charge` for every tenant of one step (tenant -> tokens), in one call."""
+        for tenant in prefill.keys() | decode.keys():
+            self.charge(tenant, prefill.get(tenant, 0), decode.get(tenant, 0))
+
+    def add_decoding(self, tenant: str, n: int) -> None:
+        """`n` more (negative: fewer) requests of `tenant` decode one token every step, from
+        the next `charge_decode_step` on. The scheduler calls this as requests start and stop
+        running, so that its per-step charge is O(tenants that changed), not O(tenants)."""
+        if tenant not in self._specs:
+            self.tenant(tenant)
+        self._settle(tenant)
+        rate = self._rates.get(tenant, 0) + n
+        if rate < 0:
+            raise ValueError(f"tenant {tenant!r}: more requests stopped decoding than started")
+        if rate:
+            self._rates[tenant] = rate
+        else:
+            del self._rates[tenant]
+
+    def charge_decode_step(self, missed: Mapping[str, int]) -> None:
+        """Charge one step in which every tenant decoded one token per decoding request
+        (`add_decoding`), less `missed[tenant]` tokens its requests did not produce this step.
+        The same counters, service, tokens, quota levels and throttling as
+        `charge_step({}, {t: rate[t] - missed[t]})`, in O(len(missed)) plus quota tenants."""
+        self._decode_steps += 1
+        rates = self._rates
+        for tenant, m in missed.items():
+            if m:  # this step differs from the rate: charge it on its own
+                self._settle(tenant, self._decode_steps - 1)
+                self._settled[tenant] = self._decode_steps
+                tokens = rates.get(tenant, 0) - m
+                if tokens < 0:
+                    raise ValueError(f"tenant {tenant!r}: {m} tokens missed of {tokens + m}")
+                self._add(tenant, 0, tokens)
         if self._order_uses_counters:
             self._stale = True
         if self._buckets:
-            for tenant in prefill.keys() | decode.keys():
-                bucket = self._buckets.get(tenant)
-                if bucket is not None:
-                    now = self._clock()
-                    tokens = prefill.get(tenant, 0) + decode.get(tenant, 0)
-                    level = bucket.consume(tokens, now)
-                    if level <= 0 and tenant not in self._throttled:
-                        self._throttle(tenant, bucket, now)
+            for tenant in self._buckets:
+                tokens = rates.get(tenant, 0) - missed.get(tenant, 0)
+                if tokens:
+                    self._consume(tenant, tokens)
+
+    def decode_rates(self) -> dict[str, int]:
+        """Requests decoding every step, per tenant (a copy)."""
+        return dict(self._rates)
+
+    def _add(self, tenant: str, prefill: int, decode: int) -> None:
+        cost = self.input_weight * prefill + self.output_weight * decode
+        self._service[tenant] += cost
+        self._counters[tenant] += cost / self._weights[tenant]
+        tokens = self._tokens[tenant]
+        tokens[0] += prefill
+        tokens[1] += decode
+
+    def _settle(self, tenant: str, upto: int | None = None) -> None:
+        """Charge `tenant` the rate-charged steps it has not seen, up to step `upto`."""
+        upto = self._decode_steps if upto is None else upto
+        k = upto - self._settled[tenant]
+        if k > 0:
+            self._settled[tenant] = upto
+            rate = self._rates.get(tenant)
+            if rate:
+                self._add(tenant, 0, rate * k)
+
+    def _settle_all(self) -> None:
+        for tenant in list(self._rates):
+            self._settle(tenant)
+
+    def _counter(self, tenant: str) -> float:
+        """The tenant's counter, settled (0.0 for a tenant never seen)."""
+        if tenant not in self._settled:
+            return 0.0
+        if self._settled[tenant] != self._decode_steps:
+            self._settle(tenant)
+        return self._counters[tenant]
+
+    def _consume(self, tenant: str, tokens: int) -> None:
+        bucket = self._buckets.get(tenant)
+        if bucket is not None:
+            now = self._clock()
+            level = bucket.consume(tokens, now)
+            if level <= 0 and tenant not in self._throttled:
+                self._throttle(tenant, bucket, now)
 
     def counters(self) -> dict[str, float]:
         """Virtual counters per tenant (a copy)."""
+        self._settle_all()
         return dict(self._counters)
 
     def set_counters(self, counters: dict[str, float]) -> None:
@@ -300,6 +362,7 @@ class Policy:
         """
         for name, value in counters.items():
             self.tenant(name)
+            self._settle(name)
             self._counters[name] = float(value)
         for order in self._all_orders():
             order.counters_reset()
@@ -307,7 +370,13 @@ class Policy:
 
     def service(self) -> dict[str, float]:
         """Cumulative weighted service per tenant (not divided by weight; a copy)."""
+        self._settle_all()
         return dict(self._service)
+
+    def tokens(self) -> dict[str, tuple[int, int]]:
+        """Raw (prefill, decode) tokens charged per tenant, cumulative (a copy)."""
+        self._settle_all()
+        return {name: (t[0], t[1]) for name, t in self._tokens.items()}
 
     # ---- quotas --------------------------------------------------------------------------
 
@@ -330,6 +399,7 @@ class Policy:
         then the latest admission (highest .seq). With `below_priority`, only requests with
         .priority < below_priority are candidates. None if there is no candidate.
         """
+        self._settle_all()
         counters = self._counters
         victim = None
         victim_key: tuple[int, float, int] | None = None

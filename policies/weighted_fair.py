@@ -35,26 +35,27 @@ class VtcOrder(HeadOrder):
     def __init__(self, policy: Policy) -> None:
         super().__init__(policy)
         self._counters = self._policy._counters
+        self._counter = self._policy._counter  # a counter with any pending charge applied
         self._last_served: str | None = None
 
     def tenant_key(self, tq: TenantQueue) -> tuple:
         assert tq.head is not None
-        return (self._counters[tq.name], *tq.head.key)
+        return (self._counter(tq.name), *tq.head.key)
 
     def rank_key(self, req: Request, flag: int) -> tuple:
-        return (self._counters.get(req.tenant, 0.0), flag, req.seq)
+        return (self._counter(req.tenant), flag, req.seq)
 
     def backlogging(self, tq: TenantQueue, entry: Entry) -> None:
         if entry.key[0] != FRESH:
             return
         best = self.select()  # the backlogged tenant with the smallest counter
         if best is not None:
-            floor = self._counters[best.req.tenant]
+            floor = self._counter(best.req.tenant)
         elif self._last_served is not None:
-            floor = self._counters[self._last_served]
+            floor = self._counter(self._last_served)
         else:
             return
-        if self._counters[tq.name] < floor:
+        if self._counter(tq.name) < floor:
             self._counters[tq.name] = floor
 
     def taken(self, entry: Entry) -> None:

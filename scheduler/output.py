@@ -29,8 +29,8 @@ class SchedulerOutput:
     preempted_swap: list[str] = field(default_factory=list)  # ids swapped out this step
     preempted_recompute: list[str] = field(default_factory=list)  # ids dropped for recompute
     finished_ids: set[str] = field(default_factory=set)  # ids finished/aborted since last step
-    # tenant -> scheduled requests (the scheduler's own bookkeeping: what to charge per tenant)
-    num_scheduled_per_tenant: dict[str, int] = field(default_factory=dict)
+    # every running request is scheduled (the scheduler's bookkeeping for tenant charges)
+    all_running_scheduled: bool = False
 
     @property
     def is_empty(self) -> bool:

@@ -18,14 +18,11 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable
 from itertools import islice
-from operator import attrgetter
 
 from fairbatch.kv.manager import KVCacheManager
 from fairbatch.scheduler.config import SchedulerConfig
 from fairbatch.scheduler.output import RunnerOutput, SchedulerOutput, StepUpdates
 from fairbatch.scheduler.request import FINISH_REASONS, Request, RequestStatus
-
-_tenant = attrgetter("tenant")
 
 
 class Scheduler:
@@ -48,10 +45,11 @@ class Scheduler:
         # that entered `running` since the last update. Every other running request is plain, so
         # a step where all of them fit needs no per-request decisions. Ids in `running` order.
         self._attention: dict[str, Request] = {}
-        # The same set as `running`, kept ready for a step where all of them run: their ids in
-        # order, each mapped to 1 (a plain decode's tokens), and how many each tenant has.
+        # The ids of `running` in order, each mapped to 1 (a plain decode's tokens): the
+        # num_scheduled_tokens of a step where all of them run, but for `_attention`'s.
         self._running_ids: dict[str, int] = {}
-        self._running_tenants: Counter[str] = Counter()
+        # running requests per priority: spares priority preemption a scan when none is lower
+        self._running_priorities: Counter[int] = Counter()
         self.swapped: list[Request] = []
         self._finished_ids: set[str] = set()
         self._seq = 0
@@ -121,10 +119,7 @@ class Scheduler:
         if not out.preempted_swap and not out.preempted_recompute:
             budget = self._schedule_swapped(out, budget)
             self._schedule_waiting(out, budget)
-        if len(out.scheduled) == len(self.running):  # the usual step: everyone runs
-            out.num_scheduled_per_tenant = self._running_tenants.copy()
-        else:
-            out.num_scheduled_per_tenant = Counter(map(_tenant, out.scheduled))
+        out.all_running_scheduled = len(out.scheduled) == len(self.running)
         out.finished_ids, self._finished_ids = self._finished_ids, set()
         return out
 
@@ -287,23 +282,28 @@ class Scheduler:
         self.running.append(request)
         self._attention[rid] = request  # until an update says what its next step is
         self._running_ids[rid] = 1
-        self._running_tenants[request.tenant] += 1
+        self._running_priorities[request.priority] += 1
+        # charged one decode token per step from now on (a step it does not sample is a miss)
+        self.policy.add_decoding(request.tenant, 1)
+
+    def _num_running_below(self, priority: int) -> int:
+        return sum(n for p, n in self._running_priorities.items() if p < priority)
 
     def _stop_running(self, request: Request) -> None:
         rid = request.request_id
         self.running.remove(request)
         self._attention.pop(rid, None)
         del self._running_ids[rid]
-        tenants = self._running_tenants
-        if tenants[request.tenant] == 1:
-            del tenants[request.tenant]
-        else:
-            tenants[request.tenant] -= 1
+        priorities = self._running_priorities
+        priorities[request.priority] -= 1
+        if not priorities[request.priority]:
+            del priorities[request.priority]
+        self.policy.add_decoding(request.tenant, -1)
         request.plain_decode = False
 
     def _preempt_lower(self, request: Request, out: SchedulerOutput) -> bool:
         """Make room for `request` by preempting a running request of strictly lower priority."""
-        if not self.priority_preemption:
+        if not self.priority_preemption or not self._num_running_below(request.priority):
             return False
         victim = self.policy.pick_victim(self.running, below_priority=request.priority)
         if victim is None:
@@ -359,8 +359,6 @@ class Scheduler:
         new_tokens = dict(sampled)
         finished: dict[str, str] = {}
         prefill: dict[str, int] = {}
-        # tokens sampled per tenant: every scheduled request's, less the ones that sample none
-        decoded = Counter(scheduler_output.num_scheduled_per_tenant)
         num_scheduled = scheduler_output.num_scheduled_tokens
         bs = self.kv.block_size
         caching = self.kv.enable_prefix_caching
@@ -372,28 +370,27 @@ class Scheduler:
             for rid, r in self._attention.items()
             if rid not in num_scheduled and r.status is running
         }
+        self.policy.charge_decode_step(self._missed(scheduler_output, sampled))
         for request in scheduler_output.scheduled:
             if request.plain_decode:  # the common case, kept short: see _attention
-                rid = request.request_id
-                token = sampled[rid]  # a plain decode always reaches the end of its tokens
-                after = request.num_computed_tokens + 1
-                request.num_computed_tokens = after
-                # A block it fills is registered in the prefix cache when the request frees its
-                # blocks (KVCacheManager.free): no other request can hold these tokens before.
-                in_block = after % bs  # 0: it filled its last block
+                token = sampled[request.request_id]  # a plain decode always samples
+                request.num_computed_tokens += 1
                 request.output_token_ids.append(token)
                 all_ids = request.all_token_ids
                 all_ids.append(token)
                 if token in request.stop_token_ids or len(all_ids) >= request.max_num_tokens:
-                    finished[rid] = self._finish_on(request, token)
-                elif not in_block:  # the next token needs a new block
+                    finished[request.request_id] = self._finish_on(request, token)
+                elif not request.num_computed_tokens % bs:  # its last block is full
+                    # The next token needs a new block. The full one is registered in the
+                    # prefix cache when the request frees its blocks (KVCacheManager.free):
+                    # a prompt repeating a running request's newest output is not worth a
+                    # hash per block per step.
                     request.plain_decode = False
-                    attention[rid] = request
+                    attention[request.request_id] = request
                 continue
             rid = request.request_id
             if request.status is not running:
                 new_tokens.pop(rid, None)  # aborted or finished between schedule() and now
-                decoded[request.tenant] -= 1
                 continue
             n = num_scheduled[rid]
             after = request.num_computed_tokens + n
@@ -406,7 +403,6 @@ class Scheduler:
             token = sampled.get(rid)
             if token is None:
                 attention[rid] = request  # a prefill chunk that did not reach the prompt's end
-                decoded[request.tenant] -= 1
                 continue
             request.output_token_ids.append(token)
             all_ids = request.all_token_ids
@@ -418,8 +414,25 @@ class Scheduler:
             else:
                 attention[rid] = request
         self._attention = attention
-        self.policy.charge_step(prefill, decoded)  # a tenant at 0 is charged nothing
+        if prefill:
+            self.policy.charge_step(prefill, {})
         return StepUpdates(new_tokens, finished)
+
+    def _missed(self, out: SchedulerOutput, sampled: dict[str, int]) -> dict[str, int]:
+        """Per tenant, the running requests that sampled no token this step: the policy charges
+        every running request one decode token per step (`add_decoding`) less these. Only
+        requests in `_attention` can be short of a token when all of `running` was scheduled;
+        otherwise also the plain decodes that did not fit."""
+        missed: dict[str, int] = {}
+        for rid, request in self._attention.items():
+            if rid not in sampled:
+                missed[request.tenant] = missed.get(request.tenant, 0) + 1
+        if not out.all_running_scheduled:
+            num_scheduled = out.num_scheduled_tokens
+            for request in self.running:
+                if request.plain_decode and request.request_id not in num_scheduled:
+                    missed[request.tenant] = missed.get(request.tenant, 0) + 1
+        return missed
 
     def _finish_on(self, request: Request, token: int) -> str:
         """Finish a request whose last token is a stop token or reached its length limit."""
@@ -512,7 +525,8 @@ class Scheduler:
         for r in self.running:
             assert r.status == RequestStatus.RUNNING
         assert list(self._running_ids) == [r.request_id for r in self.running]
-        assert self._running_tenants == Counter(r.tenant for r in self.running)
+        assert self.policy.decode_rates() == Counter(r.tenant for r in self.running)
+        assert self._running_priorities == Counter(r.priority for r in self.running)
         in_order = [r.request_id for r in self.running if r.request_id in self._attention]
         assert in_order == list(self._attention), "attention is not running requests in order"
         bs = self.kv.block_size

@@ -508,6 +508,7 @@ class Model:
         self.queued: list[tuple[Req, int, int]] = []  # (req, 0 requeued | 1 fresh, insertion)
         self.inserted = 0
         self.counters = dict.fromkeys(TENANTS, 0.0)
+        self.rates = dict.fromkeys(TENANTS, 0)  # requests decoding every step (add_decoding)
         self.levels = dict(QUOTAS)
         self.now = 0
         self.last_served: dict[int, str] = {}  # per class
@@ -587,6 +588,9 @@ OPS = st.one_of(
     st.tuples(st.just("charge"), st.sampled_from(TENANTS), st.integers(0, 40), st.integers(0, 8)),
     st.tuples(st.just("tick"), st.integers(0, 4)),
     st.tuples(st.just("set_counters"), st.sampled_from(TENANTS), st.integers(0, 60)),
+    st.tuples(st.just("decoding"), st.sampled_from(TENANTS), st.sampled_from([1, 1, -1])),
+    st.tuples(st.just("decode_step"), st.dictionaries(st.sampled_from(TENANTS), st.integers(0, 2))),
+    st.tuples(st.just("decode_step"), st.just({})),
 )
 
 
@@ -633,15 +637,29 @@ def test_matches_reference_model(config: str, ops: list[tuple]) -> None:
         elif op[0] == "set_counters":
             p.set_counters({op[1]: float(op[2])})
             model.counters[op[1]] = float(op[2])
-        check_against_model(p, model)
+        elif op[0] == "decoding" and model.rates[op[1]] + op[2] >= 0:
+            p.add_decoding(op[1], op[2])
+            model.rates[op[1]] += op[2]
+        elif op[0] == "decode_step":  # charged lazily by the policy, one charge a step here
+            missed = {t: min(m, model.rates[t]) for t, m in op[1].items()}
+            p.charge_decode_step(missed)
+            for tenant in TENANTS:
+                tokens = model.rates[tenant] - missed.get(tenant, 0)
+                if tokens:
+                    model.charge(tenant, 0, tokens)
+        # Counters compared only now and then: counters() settles every rate-charged step, and
+        # the decisions in between must be right with the charges still pending.
+        check_against_model(p, model, counters=len(out) % 4 == 0)
+    check_against_model(p, model)
 
 
-def check_against_model(p: Policy, model: Model) -> None:
+def check_against_model(p: Policy, model: Model, counters: bool = True) -> None:
     head = p.peek()
     assert head is model.select()
     assert len(p) == len(model.queued)
     assert {r.request_id for r in p} == {item[0].request_id for item in model.queued}
-    assert p.counters() == model.counters
+    if counters:
+        assert p.counters() == model.counters
     for tenant in TENANTS:
         assert p.quota_eligible(tenant) == model.eligible(tenant)
     # rank() agrees with the order: the head has the smallest rank among eligible requests.
@@ -680,3 +698,58 @@ def test_charge_step_equals_one_charge_per_tenant(name: str) -> None:
     assert not batch.quota_eligible("b")  # 70 tokens against a 60-token bucket
     assert batch.service()["a"] == pytest.approx(16 + 2 * 3 + 2 * 1)
     assert batch.counters()["b"] == pytest.approx((40 + 2 * 30) / 0.5)
+
+
+@pytest.mark.parametrize("name", POLICIES)
+@settings(max_examples=60, deadline=None)
+@given(
+    ops=st.lists(
+        st.one_of(
+            st.tuples(st.just("decoding"), st.sampled_from("abc"), st.sampled_from([1, 1, 2, -1])),
+            st.tuples(st.just("step"), st.dictionaries(st.sampled_from("abc"), st.integers(0, 3))),
+            st.tuples(st.just("step"), st.just({})),
+            st.tuples(st.just("weight"), st.sampled_from("abc"), st.sampled_from([0.5, 1.0, 4.0])),
+            st.tuples(st.just("tick"), st.integers(0, 3)),
+            st.tuples(
+                st.just("read"),
+            ),
+        ),
+        max_size=40,
+    )
+)
+def test_rate_charged_decode_equals_charge_step(name: str, ops: list[tuple]) -> None:
+    """The scheduler's per-step path (`add_decoding` + `charge_decode_step`, settled lazily)
+    leaves counters, service, raw tokens, quota levels and throttling exactly as one
+    `charge_step` per step with the tokens spelled out, across weight changes and reads."""
+    specs = [
+        TenantSpec("a", weight=2.0),
+        TenantSpec("b", weight=0.5, tokens_per_minute=1),  # soon in debt: retry_after shows it
+        TenantSpec("c", tokens_per_minute=600),
+    ]
+    clock = FakeClock()
+    rated = make_policy(name, specs, clock=clock)
+    spelled = make_policy(name, specs, clock=clock)
+    rates = dict.fromkeys("abc", 0)
+    for op in ops:
+        if op[0] == "decoding" and rates[op[1]] + op[2] >= 0:
+            rated.add_decoding(op[1], op[2])
+            rates[op[1]] += op[2]
+        elif op[0] == "step":
+            missed = {t: min(m, rates[t]) for t, m in op[1].items()}
+            rated.charge_decode_step(missed)
+            decode = {t: rates[t] - missed.get(t, 0) for t in rates}
+            spelled.charge_step({}, {t: n for t, n in decode.items() if n})
+        elif op[0] == "weight":  # applies to later charges only
+            rated.update_tenant(op[1], weight=op[2])
+            spelled.update_tenant(op[1], weight=op[2])
+        elif op[0] == "tick":
+            clock.now += op[1]
+        else:
+            assert rated.counters() == pytest.approx(spelled.counters())
+        for t in "abc":  # quota state is kept eagerly: it must agree after every step
+            assert rated.quota_eligible(t) == spelled.quota_eligible(t)
+            assert rated.retry_after(t) == pytest.approx(spelled.retry_after(t))
+    assert rated.decode_rates() == {t: n for t, n in rates.items() if n}
+    assert rated.counters() == pytest.approx(spelled.counters())
+    assert rated.service() == pytest.approx(spelled.service())
+    assert rated.tokens() == spelled.tokens()
