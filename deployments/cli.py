@@ -11,7 +11,18 @@ def _bench_scheduler(args: argparse.Namespace) -> int:
     from fairbatch.benchmarks import scheduler_bench
 
     policies = args.policies.split(",") if args.policies else scheduler_bench.POLICIES
-    scheduler_bench.main(args.json, steps=args.steps, policies=policies)
+    unknown = [p for p in policies if p not in scheduler_bench.POLICIES]
+    if unknown:
+        print(
+            f"fairbatch bench scheduler: unknown policies {unknown}; "
+            f"valid: {', '.join(scheduler_bench.POLICIES)}",
+            file=sys.stderr,
+        )
+        return 2
+    if args.rounds < 1 or args.steps < 1:
+        print("fairbatch bench scheduler: --rounds and --steps must be >= 1", file=sys.stderr)
+        return 2
+    scheduler_bench.main(args.json, steps=args.steps, policies=policies, rounds=args.rounds)
     return 0
 
 
@@ -217,6 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
     sched.add_argument("--json", help="write results to this JSON file")
     sched.add_argument("--steps", type=int, default=2000, help="measured steps per policy")
     sched.add_argument("--policies", help="comma-separated subset (default: all)")
+    sched.add_argument(
+        "--rounds", type=int, default=3, help="runs per policy, interleaved; medians reported"
+    )
     sched.set_defaults(func=_bench_scheduler)
     eng = bench_sub.add_parser("engine", help="fairbatch vs transformers tokens/s (tiny Llama)")
     eng.add_argument("--json", help="write results to this JSON file")

@@ -354,7 +354,12 @@ class Scheduler:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput
     ) -> StepUpdates:
-        """Advance progress, append sampled tokens, finish requests, charge tenants."""
+        """Advance progress, append sampled tokens, finish requests, charge tenants.
+
+        Tenants are charged by rate: every running request one decode token (the policy counts
+        the step, see `Policy.charge_decode_step`) less the ones that sampled nothing, plus
+        the prompt tokens computed for the first time.
+        """
         sampled = runner_output.sampled_token_ids
         new_tokens = dict(sampled)
         finished: dict[str, str] = {}
@@ -381,10 +386,10 @@ class Scheduler:
                 if token in request.stop_token_ids or len(all_ids) >= request.max_num_tokens:
                     finished[request.request_id] = self._finish_on(request, token)
                 elif not request.num_computed_tokens % bs:  # its last block is full
-                    # The next token needs a new block. The full one is registered in the
-                    # prefix cache when the request frees its blocks (KVCacheManager.free):
-                    # a prompt repeating a running request's newest output is not worth a
-                    # hash per block per step.
+                    # The next token needs a new block. The full one enters the prefix cache
+                    # when the request frees its blocks (KVCacheManager.free), in one call for
+                    # all it filled: no prompt is likely to repeat a running request's newest
+                    # output before that.
                     request.plain_decode = False
                     attention[request.request_id] = request
                 continue
