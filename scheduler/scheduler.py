@@ -379,13 +379,12 @@ class Scheduler:
         for request in scheduler_output.scheduled:
             if request.plain_decode:  # the common case, kept short: see _attention
                 token = sampled[request.request_id]  # a plain decode always samples
-                request.num_computed_tokens += 1
+                computed = request.num_computed_tokens = request.num_computed_tokens + 1
                 request.output_token_ids.append(token)
-                all_ids = request.all_token_ids
-                all_ids.append(token)
-                if token in request.stop_token_ids or len(all_ids) >= request.max_num_tokens:
+                request.all_token_ids.append(token)  # now num_tokens == computed + 1
+                if token in request.stop_token_ids or computed >= request.max_num_tokens - 1:
                     finished[request.request_id] = self._finish_on(request, token)
-                elif not request.num_computed_tokens % bs:  # its last block is full
+                elif not computed % bs:  # its last block is full
                     # The next token needs a new block. The full one enters the prefix cache
                     # when the request frees its blocks (KVCacheManager.free), in one call for
                     # all it filled: no prompt is likely to repeat a running request's newest
