@@ -100,6 +100,17 @@ def run_one(
     }
 
 
+def machine_speed_ms() -> float:
+    """Milliseconds of a fixed pure-Python loop (3M additions): how fast this machine runs
+    Python right now. On a shared VM it moves by tens of percent within minutes; recorded next
+    to each round so that rounds taken at different speeds can be told apart."""
+    t0 = time.perf_counter()
+    total = 0
+    for i in range(3_000_000):
+        total += i
+    return (time.perf_counter() - t0) * 1e3
+
+
 def main(
     json_path: str | None = None, steps: int = 2000, policies=POLICIES, rounds: int = 3
 ) -> list[dict]:
@@ -108,7 +119,10 @@ def main(
     runs: dict[str, list[dict]] = {name: [] for name in policies}
     for _ in range(rounds):
         for name in policies:
-            runs[name].append(run_one(name, steps=steps))
+            speed = machine_speed_ms()
+            res = run_one(name, steps=steps)
+            res["machine_speed_ms"] = round((speed + machine_speed_ms()) / 2, 1)
+            runs[name].append(res)
     results = []
     for name in policies:
         res = dict(runs[name][-1])
@@ -116,12 +130,16 @@ def main(
             res[key] = round(statistics.median(r[key] for r in runs[name]), 4)
         res["rounds"] = rounds
         res["schedule_ms_median_per_round"] = [r["schedule_ms_median"] for r in runs[name]]
+        res["machine_speed_ms_per_round"] = [r["machine_speed_ms"] for r in runs[name]]
+        del res["machine_speed_ms"]
         results.append(res)
         print(
             f"{name:14s} running={res['running']} waiting={res['waiting']} "
             f"median={res['schedule_ms_median']:.3f} ms  p99={res['schedule_ms_p99']:.3f} ms  "
             f"({100 * res['share_of_10ms_step_median']:.1f}% of a 10 ms step; rounds: "
             + " ".join(f"{m:.3f}" for m in res["schedule_ms_median_per_round"])
+            + "; machine speed ms: "
+            + " ".join(f"{m:.0f}" for m in res["machine_speed_ms_per_round"])
             + ")"
         )
     if json_path:

@@ -29,6 +29,8 @@ def test_json_has_the_documented_fields(tmp_path) -> None:
     for r in rows:
         assert r["tenants"] == 100 and r["block_size"] == 16 and r["rounds"] == 2
         assert len(r["schedule_ms_median_per_round"]) == 2
+        assert len(r["machine_speed_ms_per_round"]) == 2
+        assert all(ms > 0 for ms in r["machine_speed_ms_per_round"])
         # the median over rounds is one of the two rounds' medians or between them
         lo, hi = sorted(r["schedule_ms_median_per_round"])
         assert lo <= r["schedule_ms_median"] <= hi
