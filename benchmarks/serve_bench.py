@@ -1,6 +1,6 @@
 """`fairbatch bench serve`: a load generator for any OpenAI-compatible endpoint.
 
-One run: build a workload (a named scenario from `serve_workload`, or custom arrivals and
+One run: build a workload (a named scenario from `serve_scenarios`, or custom arrivals and
 lengths), start a local fairbatch server for it (`serve_server.LocalServer`) unless `--url`
 names one, calibrate the scenario's capacity, send it (`serve_client.run_requests`), read the
 server's counters around the run, and write OUT/result.json (`serve_metrics.summarize_run`
@@ -198,7 +198,7 @@ async def calibrate(
 
 
 def scenario_workload(name: str, capacity: float, args: Any) -> Workload:
-    from fairbatch.benchmarks.serve_workload import build_scenario
+    from fairbatch.benchmarks.serve_scenarios import build_scenario
 
     scn = build_scenario(
         name, capacity_rps=capacity, duration_s=args.duration, seed=args.seed, scale=args.scale
@@ -218,7 +218,7 @@ def scenario_workload(name: str, capacity: float, args: Any) -> Workload:
 
 
 def scenario_tenants(name: str, args: Any) -> list[Any]:
-    from fairbatch.benchmarks.serve_workload import build_scenario
+    from fairbatch.benchmarks.serve_scenarios import build_scenario
 
     return build_scenario(
         name, capacity_rps=1.0, duration_s=args.duration, scale=args.scale
@@ -546,7 +546,7 @@ def _title(wl: Workload) -> str:
 
 def check_args(args: Any) -> None:
     """Raise UsageError for combinations argparse cannot see."""
-    from fairbatch.benchmarks.serve_workload import SCENARIOS
+    from fairbatch.benchmarks.serve_scenarios import SCENARIOS
 
     custom = [f for f in CUSTOM_FLAGS if getattr(args, f) is not None]
     flag = lambda f: "--" + f.replace("_", "-")  # noqa: E731

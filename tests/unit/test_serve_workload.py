@@ -1,4 +1,5 @@
-"""Tests for fairbatch.benchmarks.serve_workload: arrivals, lengths, text, workloads, scenarios."""
+"""Tests for fairbatch.benchmarks.serve_workload and serve_scenarios: arrivals, lengths, text,
+workloads, scenarios."""
 
 from __future__ import annotations
 
@@ -10,16 +11,15 @@ import sys
 
 import pytest
 
+from fairbatch.benchmarks.serve_scenarios import SCENARIOS, build_scenario
 from fairbatch.benchmarks.serve_workload import (
     DEFAULT_WORDS,
-    SCENARIOS,
     SHAREGPT_LIKE,
     LengthDist,
     TenantPlan,
     TextMaker,
     arrival_times,
     base_lengths,
-    build_scenario,
     build_workload,
     parse_lengths,
     sharegpt_lengths,
@@ -329,6 +329,7 @@ def test_modules_import_neither_torch_nor_ray():
     code = (
         "import sys\n"
         "import fairbatch.benchmarks.serve_workload, fairbatch.benchmarks.serve_metrics\n"
+        "import fairbatch.benchmarks.serve_scenarios\n"
         "bad = {'torch', 'ray', 'httpx'} & set(sys.modules)\n"
         "assert not bad, bad\n"
     )
