@@ -198,7 +198,8 @@ class KVCacheManager:
             if self.enable_prefix_caching:
                 # computed blocks not registered yet (the scheduler leaves the ones decodes fill
                 # to this point: one call per request instead of one per block)
-                self._cache_full_blocks(request, request.num_computed_tokens // self.block_size)
+                num_full = min(request.num_computed_tokens // self.block_size, len(blocks))
+                self._cache_full_blocks(request, num_full)
             del self.req_blocks[rid]
             self.gpu_pool.free(reversed(blocks))
         self.req_block_ids.pop(rid, None)

@@ -107,6 +107,31 @@ def test_prefix_cache_hit_skips_computed_tokens():
     assert out.block_tables["b"][:2] == [0, 1]
 
 
+def test_blocks_filled_by_decodes_are_cached_when_the_request_frees_them():
+    """Prompt blocks enter the prefix cache as they are computed; blocks that decodes fill are
+    registered when the request frees its blocks (one call then, not one per block)."""
+    sched = make_sched(num_blocks=16, block_size=4)
+    runner = FakeRunner(VOCAB)
+    prompt = list(range(100, 106))  # 1 full prompt block + 2 tokens
+    sched.add_request(Request("a", prompt, max_tokens=9))  # 15 tokens: 3 full blocks at the end
+    got = [t for u in step(sched, runner)[1] for t in u.new_token_ids]
+    assert len(sched.kv.gpu_pool.cached) == 1  # the prompt's full block, right after compute
+    for _ in range(4):  # decodes fill block 1 (positions 4-7) and start block 2
+        got += [t for u in step(sched, runner)[1] for t in u.new_token_ids]
+    assert sched.requests["a"].num_computed_tokens == 10
+    assert len(sched.kv.gpu_pool.cached) == 1  # block 1 is full but not registered yet
+    got += run_to_end(sched, runner)["a"]
+    assert len(sched.kv.gpu_pool.cached) == 3  # 14 computed tokens: blocks 0-2 at the free
+    history = prompt + got
+    assert got == reference_tokens(prompt, 9)
+    hits_before = sched.num_prefix_hit_tokens
+    sched.add_request(Request("b", history[:13] + [7], max_tokens=1))
+    out = sched.schedule()
+    assert sched.num_prefix_hit_tokens - hits_before == 12  # three blocks, two of them decoded
+    assert out.num_scheduled_tokens == {"b": 2}
+    assert out.block_tables["b"][:3] == [0, 1, 2]
+
+
 def test_recompute_preemption_when_blocks_run_out():
     # 4 blocks of 4 tokens: two requests each needing 3 blocks cannot both finish.
     sched = make_sched(num_blocks=4, block_size=4, preemption_mode="recompute")
