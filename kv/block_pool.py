@@ -73,7 +73,7 @@ class FreeBlockQueue:
     """Doubly linked list of free blocks with sentinel head and tail.
 
     A list (or deque) would make taking a cached block out of the middle O(n); threading the
-    links through the blocks themselves makes append, popleft and remove all O(1).
+    links through the blocks themselves makes extend, popleft_n and remove O(1) per block.
     """
 
     def __init__(self, blocks: Iterable[KVBlock]) -> None:
@@ -83,9 +83,6 @@ class FreeBlockQueue:
         self.tail.prev_free = self.head
         self.num_free = 0
         self.extend(blocks)
-
-    def append(self, block: KVBlock) -> None:
-        self.extend((block,))
 
     def extend(self, blocks: Iterable[KVBlock]) -> None:
         """Append blocks at the tail in the order given (a finished request's: one call)."""
@@ -101,13 +98,6 @@ class FreeBlockQueue:
         last.next_free = tail
         tail.prev_free = last
         self.num_free += n
-
-    def popleft(self) -> KVBlock:
-        block = self.head.next_free
-        if block is self.tail or block is None:
-            raise IndexError("no free blocks")
-        self.remove(block)
-        return block
 
     def popleft_n(self, n: int) -> list[KVBlock]:
         """The first n blocks, unlinked as one run (a step's allocations: one call, not n)."""
@@ -233,18 +223,20 @@ class BlockPool:
     ) -> None:
         """Register blocks[start:stop] of one sequence, whose tokens are `token_ids`.
 
-        `hashes` holds the sequence's chained block hashes as far as known (at least `start`
-        of them); missing ones are computed and appended. One loop with the packing, hashing
-        and registration inline: this runs for every block any request fills.
+        `hashes` holds the sequence's chained block hashes as far as known; missing ones (also
+        below `start`) are computed and appended. One loop with the packing, hashing and
+        registration inline: this runs for every block any request fills.
         """
         bs = self.block_size
         pack = _PACKERS.get(bs) or _packer(bs)
         cached = self.cached
         enabled = self.enable_caching
-        for i in range(start, stop):
+        for i in range(min(start, len(hashes)), stop):
             packed = pack(*token_ids[i * bs : (i + 1) * bs])
             if i == len(hashes):
-                hashes.append(hash_packed(hashes[i - 1] if i else None, packed, salt))
+                hashes.append(hash_packed(hashes[-1] if i else None, packed, salt))
+            if i < start:
+                continue  # hashed only to continue the chain
             block, block_hash = blocks[i], hashes[i]
             if enabled and block.block_hash is None and block_hash not in cached:
                 block.block_hash = block_hash

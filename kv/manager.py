@@ -166,24 +166,12 @@ class KVCacheManager:
         if self.enable_prefix_caching and request.request_id in self.req_blocks:
             self._cache_full_blocks(request, request.num_computed_tokens // self.block_size)
 
-    def _hashes(self, request) -> list[bytes]:
-        """Hashes of every full block of the request's tokens, extended incrementally."""
-        hashes = self.req_hashes.setdefault(request.request_id, [])
-        tokens, bs, salt = request.all_token_ids, self.block_size, request.cache_salt
-        parent = hashes[-1] if hashes else None
-        for i in range(len(hashes), len(tokens) // bs):
-            parent = hash_packed(parent, pack_tokens(tokens[i * bs : (i + 1) * bs]), salt)
-            hashes.append(parent)
-        return hashes
-
     def _cache_full_blocks(self, request, num_full: int) -> None:
         rid = request.request_id
         start = self.num_cached[rid]
         if num_full <= start:
             return
-        hashes = self.req_hashes.get(rid)
-        if hashes is None or len(hashes) < start:
-            hashes = self._hashes(request)
+        hashes = self.req_hashes.setdefault(rid, [])
         self.gpu_pool.cache_run(
             self.req_blocks[rid], request.all_token_ids, hashes, start, num_full, request.cache_salt
         )

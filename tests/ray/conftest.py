@@ -98,3 +98,28 @@ def replica_check():
 @pytest.fixture(scope="session")
 def ray_starter():
     return start_ray
+
+
+@pytest.fixture(scope="module")
+def ray_session(request):
+    """Ray for a module of cluster tests with `NUM_GPUS` fake GPUs; afterwards the module's
+    `CLUSTERS` are shut down, then Ray."""
+    start_ray(request.module.NUM_GPUS)
+    yield
+    import ray
+
+    for c in request.module.CLUSTERS:
+        try:
+            c.shutdown()
+        except Exception:
+            pass
+    ray.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def pools_all_free(request):
+    """After each test of a module with `CLUSTERS`: every pool all-free, nothing held."""
+    yield
+    clusters = getattr(request.module, "CLUSTERS", None)
+    if clusters is not None:
+        check_replicas(clusters)

@@ -27,6 +27,7 @@ from fairbatch.policies import TenantSpec
 TENANTS = [TenantSpec("a", weight=3.0), TenantSpec("b", weight=1.0)]
 SEATS = 4
 CLUSTERS: list = []
+NUM_GPUS = 6  # 3 + 2 replicas, and room for a replacement before a death
 
 # ---- the supervisor alone: a fake launcher stands in for Ray ------------------------------
 
@@ -193,28 +194,10 @@ def sim_config() -> ReplicaConfig:
 
 
 @pytest.fixture(scope="module")
-def ray_session(ray_starter):
-    ray_starter(num_gpus=6)  # 3 + 2 replicas, and room for a replacement before a death
-    yield
-    for c in CLUSTERS:
-        try:
-            c.shutdown()
-        except Exception:
-            pass
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def cluster(ray_session):
     c = start_cluster("repl", [sim_config() for _ in range(3)], ControllerConfig(tenants=TENANTS))
     CLUSTERS.append(c)
     return c
-
-
-@pytest.fixture(autouse=True)
-def pools_all_free(replica_check):
-    yield
-    replica_check(CLUSTERS)
 
 
 def params(n: int) -> SamplingParams:

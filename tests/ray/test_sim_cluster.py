@@ -26,6 +26,7 @@ from fairbatch.policies import TenantSpec
 TENANTS = [TenantSpec("a", weight=3.0), TenantSpec("b", weight=1.0), TenantSpec("c")]
 SEATS = 4
 CLUSTERS: list = []
+NUM_GPUS = 8
 
 
 def sim_config(policy: str = "priority", **kw) -> ReplicaConfig:
@@ -45,28 +46,10 @@ def sim_config(policy: str = "priority", **kw) -> ReplicaConfig:
 
 
 @pytest.fixture(scope="module")
-def ray_session(ray_starter):
-    ray_starter(num_gpus=8)
-    yield
-    for c in CLUSTERS:
-        try:
-            c.shutdown()
-        except Exception:
-            pass
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def cluster(ray_session):
     c = start_cluster("sim", [sim_config() for _ in range(3)], ControllerConfig(tenants=TENANTS))
     CLUSTERS.append(c)
     return c
-
-
-@pytest.fixture(autouse=True)
-def pools_all_free(replica_check):
-    yield
-    replica_check(CLUSTERS)
 
 
 def params(n: int) -> SamplingParams:

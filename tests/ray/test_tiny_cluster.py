@@ -41,12 +41,6 @@ def cluster(ray_starter):
     ray.shutdown()
 
 
-@pytest.fixture(autouse=True)
-def pools_all_free(replica_check):
-    yield
-    replica_check(CLUSTERS)
-
-
 def prompt(i: int) -> list[int]:
     return [(i * 37 + j * 11) % 2000 + 10 for j in range(24)]
 
