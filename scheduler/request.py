@@ -57,6 +57,7 @@ class Request:
         "sampling_params",
         "seq",
         "plain_decode",
+        "decode_event",
     )
 
     def __init__(
@@ -103,6 +104,9 @@ class Request:
         # Scheduler-owned: running, and its next step is one token into a slot of its last
         # block (see Scheduler._attention for the requests that are not)
         self.plain_decode = False
+        # Scheduler-owned, while plain_decode: the num_computed_tokens at which the next look
+        # is due (its last block is full, or it reached its length limit)
+        self.decode_event = 0
 
     @property
     def num_tokens(self) -> int:

@@ -50,6 +50,9 @@ class Scheduler:
         self._running_ids: dict[str, int] = {}
         # running requests per priority: spares priority preemption a scan when none is lower
         self._running_priorities: Counter[int] = Counter()
+        # stop token -> running requests that stop on it: a step whose sampled tokens include
+        # none of these finishes no request by a stop token (one C-speed check per step)
+        self._stop_tokens: dict[int, int] = {}
         self.swapped: list[Request] = []
         self._finished_ids: set[str] = set()
         self._seq = 0
@@ -283,6 +286,9 @@ class Scheduler:
         self._attention[rid] = request  # until an update says what its next step is
         self._running_ids[rid] = 1
         self._running_priorities[request.priority] += 1
+        stops = self._stop_tokens
+        for token in request.stop_token_ids:
+            stops[token] = stops.get(token, 0) + 1
         # charged one decode token per step from now on (a step it does not sample is a miss)
         self.policy.add_decoding(request.tenant, 1)
 
@@ -298,6 +304,11 @@ class Scheduler:
         priorities[request.priority] -= 1
         if not priorities[request.priority]:
             del priorities[request.priority]
+        stops = self._stop_tokens
+        for token in request.stop_token_ids:
+            stops[token] -= 1
+            if not stops[token]:
+                del stops[token]
         self.policy.add_decoding(request.tenant, -1)
         request.plain_decode = False
 
@@ -376,15 +387,22 @@ class Scheduler:
             if rid not in num_scheduled and r.status is running
         }
         self.policy.charge_decode_step(self._missed(scheduler_output, sampled))
+        stops = self._stop_tokens
+        if stops and not stops.keys().isdisjoint(new_tokens.values()):
+            self._stop_candidates(sampled)
         for request in scheduler_output.scheduled:
             if request.plain_decode:  # the common case, kept short: see _attention
                 token = sampled[request.request_id]  # a plain decode always samples
                 computed = request.num_computed_tokens = request.num_computed_tokens + 1
                 request.output_token_ids.append(token)
                 request.all_token_ids.append(token)  # now num_tokens == computed + 1
+                if computed != request.decode_event:
+                    continue  # mid-block, short of its limit, no stop token: nothing to do
                 if token in request.stop_token_ids or computed >= request.max_num_tokens - 1:
                     finished[request.request_id] = self._finish_on(request, token)
-                elif not computed % bs:  # its last block is full
+                elif computed % bs:  # a stop-token candidate that is not its stop token
+                    request.decode_event = self._next_decode_event(request)
+                else:  # its last block is full
                     # The next token needs a new block. The full one enters the prefix cache
                     # when the request frees its blocks (KVCacheManager.free), in one call for
                     # all it filled: no prompt is likely to repeat a running request's newest
@@ -415,12 +433,32 @@ class Scheduler:
                 finished[rid] = self._finish_on(request, token)
             elif in_block:
                 request.plain_decode = True
+                request.decode_event = self._next_decode_event(request)
             else:
                 attention[rid] = request
         self._attention = attention
         if prefill:
             self.policy.charge_step(prefill, {})
         return StepUpdates(new_tokens, finished)
+
+    def _next_decode_event(self, request: Request) -> int:
+        """The num_computed_tokens at which a plain decode next needs a look: its last block
+        fills, or it reaches its length limit (stop tokens: see `_stop_candidates`)."""
+        computed = request.num_computed_tokens
+        return min(
+            computed - computed % self.kv.block_size + self.kv.block_size,
+            request.max_num_tokens - 1,
+        )
+
+    def _stop_candidates(self, sampled: dict[str, int]) -> None:
+        """Some sampled token is a running request's stop token: each plain decode that sampled
+        such a token gets its look this step (`decode_event` due), where the check is exact."""
+        stops, requests = self._stop_tokens, self.requests
+        for rid, token in sampled.items():
+            if token in stops:
+                request = requests.get(rid)
+                if request is not None and request.plain_decode:
+                    request.decode_event = request.num_computed_tokens + 1
 
     def _missed(self, out: SchedulerOutput, sampled: dict[str, int]) -> dict[str, int]:
         """Per tenant, the running requests that sampled no token this step: the policy charges
@@ -531,6 +569,8 @@ class Scheduler:
         assert list(self._running_ids) == [r.request_id for r in self.running]
         assert self.policy.decode_rates() == Counter(r.tenant for r in self.running)
         assert self._running_priorities == Counter(r.priority for r in self.running)
+        stops = Counter(t for r in self.running for t in r.stop_token_ids)
+        assert self._stop_tokens == stops, "stop-token counts disagree with running"
         in_order = [r.request_id for r in self.running if r.request_id in self._attention]
         assert in_order == list(self._attention), "attention is not running requests in order"
         bs = self.kv.block_size
@@ -539,5 +579,6 @@ class Scheduler:
             if r.plain_decode:  # one token into a slot of its last block
                 assert r.num_tokens - r.num_computed_tokens == 1, f"{r} is not a plain decode"
                 assert r.num_computed_tokens % bs, f"{r} needs a new block"
+                assert r.decode_event == self._next_decode_event(r), f"{r} event misplaced"
         for r in self.swapped:
             assert r.status == RequestStatus.SWAPPED

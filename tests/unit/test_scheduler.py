@@ -278,6 +278,7 @@ ops = st.lists(
             st.integers(1, 12),  # max tokens
             st.integers(0, 2),  # tenant
             st.integers(0, 2),  # priority
+            st.lists(st.integers(0, 14), max_size=2),  # stop on the tokens at these positions
         ),
         st.tuples(st.just("step")),
         st.tuples(st.just("step")),
@@ -326,14 +327,25 @@ def test_random_operations_keep_invariants(ops, policy, mode, budget, seats, cac
 
     for op in ops:
         if op[0] == "add":
-            _, plen, max_tokens, tenant, prio = op
+            _, plen, max_tokens, tenant, prio, stop_at = op
             prompt = [(n * 7 + j) % 50 for j in range(plen)]
+            # stop tokens the request samples (or, past its limit, would have): they end it
+            # early, mid-block or on a block boundary, in any step
+            undisturbed = reference_tokens(prompt, 15)
+            stop = {undisturbed[k] for k in stop_at}
             rid = f"r{n}"
             n += 1
             sched.add_request(
-                Request(rid, prompt, max_tokens=max_tokens, tenant=f"t{tenant}", priority=prio)
+                Request(
+                    rid,
+                    prompt,
+                    max_tokens=max_tokens,
+                    tenant=f"t{tenant}",
+                    priority=prio,
+                    stop_token_ids=stop,
+                )
             )
-            expected[rid] = (prompt, max_tokens)
+            expected[rid] = (prompt, max_tokens, stop)
         elif op[0] == "step":
             collect(step(sched, runner)[1])
         elif op[0] == "abort":
@@ -350,12 +362,12 @@ def test_random_operations_keep_invariants(ops, policy, mode, budget, seats, cac
         sched.check_integrity()
     assert not sched.has_unfinished, "a request never finished"
     assert sched.kv.all_free()
-    for rid, (prompt, max_tokens) in expected.items():
+    for rid, (prompt, max_tokens, stop) in expected.items():
         if rid in aborted:
             continue
         limit = min(max_tokens, 40 - len(prompt))
-        assert got[rid] == reference_tokens(prompt, limit), rid
-        assert finished[rid] == "length"
+        assert got[rid] == reference_tokens(prompt, limit, stop), rid
+        assert finished[rid] == ("stop" if got[rid][-1] in stop else "length"), rid
 
 
 def _in_order_only(sched: Scheduler) -> Scheduler:
