@@ -49,8 +49,13 @@ def hash_packed(parent: bytes | None, token_bytes: bytes, salt: str | None) -> b
     """`hash_block` of tokens already packed by `pack_tokens`: blake2b-128 of the parent hash
     (or, for a first block, a tag and the salt) followed by the packed tokens."""
     if parent is None:
-        parent = b"\x00" if salt is None else b"\x01" + salt.encode()
+        parent = _chain_start(salt)
     return _blake2b(parent + token_bytes, digest_size=16).digest()
+
+
+def _chain_start(salt: str | None) -> bytes:
+    """What a first block's hash covers in place of a parent hash: a tag and the salt."""
+    return b"\x00" if salt is None else b"\x01" + salt.encode()
 
 
 def pack_tokens(token_ids: Sequence[int]) -> bytes:
@@ -227,17 +232,28 @@ class BlockPool:
         below `start`) are computed and appended. One loop with the packing, hashing and
         registration inline: this runs for every block any request fills.
         """
+        first = min(start, len(hashes))
+        if first >= stop:
+            return
         bs = self.block_size
-        pack = _PACKERS.get(bs) or _packer(bs)
+        # All the run's tokens packed by one struct call; each block's bytes are a slice.
+        run = pack_tokens(token_ids[first * bs : stop * bs])
+        width = 8 * bs
         cached = self.cached
         enabled = self.enable_caching
-        for i in range(min(start, len(hashes)), stop):
-            packed = pack(*token_ids[i * bs : (i + 1) * bs])
-            if i == len(hashes):
-                hashes.append(hash_packed(hashes[-1] if i else None, packed, salt))
+        num_known = len(hashes)
+        block_hash = hashes[first - 1] if first else _chain_start(salt)
+        for i in range(first, stop):
+            offset = (i - first) * width
+            packed = run[offset : offset + width]
+            if i < num_known:
+                block_hash = hashes[i]
+            else:  # hash_packed, inline: the chain's parent is the previous block's hash
+                block_hash = _blake2b(block_hash + packed, digest_size=16).digest()
+                hashes.append(block_hash)
             if i < start:
                 continue  # hashed only to continue the chain
-            block, block_hash = blocks[i], hashes[i]
+            block = blocks[i]
             if enabled and block.block_hash is None and block_hash not in cached:
                 block.block_hash = block_hash
                 block.token_bytes = packed

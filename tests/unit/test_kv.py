@@ -228,3 +228,30 @@ def test_integrity_catches_leak():
     kv.req_blocks.pop("r")  # simulate a manager bug: the table forgets its blocks
     with pytest.raises(AssertionError):
         kv.check_integrity()
+
+
+@pytest.mark.parametrize("salt", [None, "group"])
+def test_registered_hashes_are_the_hash_block_chain(salt):
+    """The hashes the cache registers (in runs, by lookup, chunk, decode and free) are exactly
+    `hash_block` chained block by block: what clients compute for prefix affinity."""
+    kv = KVCacheManager(num_gpu_blocks=8, block_size=4)
+    tokens = [(7 * i) % 23 for i in range(18)]  # 4 full blocks + 2 tokens
+    r = make_req("r", tokens[:9], salt=salt)
+    assert kv.get_computed_blocks(r) == ([], 0)  # hashes block 0 for the lookup
+    kv.allocate_slots(r, 5)
+    r.num_computed_tokens = 5
+    kv.cache_computed_blocks(r)  # block 0
+    kv.allocate_slots(r, 4)
+    r.num_computed_tokens = 9
+    kv.cache_computed_blocks(r)  # block 1
+    for t in tokens[9:]:  # decodes fill blocks 2 and 3, registered by free
+        r.all_token_ids.append(t)
+        kv.allocate_slots(r, 1)
+        r.num_computed_tokens += 1
+    kv.free(r)
+    chain, parent = [], None
+    for i in range(4):
+        parent = hash_block(parent, tokens[4 * i : 4 * i + 4], r.cache_salt)
+        chain.append(parent)
+    assert kv.cached_hashes() == chain
+    kv.check_integrity()
