@@ -229,8 +229,8 @@ class BlockPool:
         """Register blocks[start:stop] of one sequence, whose tokens are `token_ids`.
 
         `hashes` holds the sequence's chained block hashes as far as known; missing ones (also
-        below `start`) are computed and appended. One loop with the packing, hashing and
-        registration inline: this runs for every block any request fills.
+        below `start`) are computed and appended (start == stop: only that). One loop with the
+        packing, hashing and registration inline: this runs for every block any request fills.
         """
         first = min(start, len(hashes))
         if first >= stop:

@@ -55,20 +55,35 @@ class KVCacheManager:
     def num_blocks_needed(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 
+    def hash_prompt(self, request) -> None:
+        """Hash the full blocks of a new request's tokens, at intake (as vLLM does when a
+        request is created): the admission's cache lookup and the registration after its
+        prefill then find the hashes made. Requests that skip this are hashed as they go."""
+        if self.enable_prefix_caching:
+            hashes = self.req_hashes.setdefault(request.request_id, [])
+            num_full = len(request.all_token_ids) // self.block_size
+            # start == stop: cache_run only extends the chain, it registers nothing
+            self.gpu_pool.cache_run(
+                (), request.all_token_ids, hashes, num_full, num_full, request.cache_salt
+            )
+
     def get_computed_blocks(self, request) -> tuple[list[KVBlock], int]:
         """Cached blocks holding a prefix of the request's tokens, and how many tokens they cover.
 
         Only for a request with no blocks yet. At least one token is always left to compute,
-        because the step that computes it produces the logits for the next token. Blocks are
-        hashed only as far as the lookups go; registration after compute hashes the rest.
+        because the step that computes it produces the logits for the next token. Blocks not
+        hashed yet (see `hash_prompt`) are hashed only as far as the lookups go.
         """
         if not self.enable_prefix_caching or request.request_id in self.req_blocks:
             return [], 0
         hashes = self.req_hashes.setdefault(request.request_id, [])
         tokens, bs, salt = request.all_token_ids, self.block_size, request.cache_salt
         lookup = self.gpu_pool.lookup_packed
+        cached = self.gpu_pool.cached
         hits: list[KVBlock] = []
         for i in range((len(tokens) - 1) // bs):
+            if i < len(hashes) and hashes[i] not in cached:
+                break  # the common miss: no packing needed to tell
             packed = pack_tokens(tokens[i * bs : (i + 1) * bs])
             if i == len(hashes):
                 hashes.append(hash_packed(hashes[-1] if i else None, packed, salt))

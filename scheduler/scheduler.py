@@ -76,6 +76,7 @@ class Scheduler:
             request.num_prompt_tokens + request.max_tokens, self.max_model_len
         )
         request.status = RequestStatus.WAITING
+        self.kv.hash_prompt(request)
         self.requests[request.request_id] = request
         self.policy.enqueue(request)
 
