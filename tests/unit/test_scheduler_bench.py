@@ -35,6 +35,8 @@ def test_json_has_the_documented_fields(tmp_path) -> None:
         lo, hi = sorted(r["schedule_ms_median_per_round"])
         assert lo <= r["schedule_ms_median"] <= hi
         assert 0 < r["schedule_ms_median"] <= r["schedule_ms_p99"] * 1.0001
+        # intake is reported beside the step (it hashes the prompts' blocks)
+        assert r["add_request_us_median"] > 0 and r["add_request_ms_per_step_mean"] > 0
         # the measured state: the seats full, the queue at its size (finished ones replaced)
         assert 256 - 8 <= r["running"] <= 256
         assert r["running"] + r["waiting"] == 256 + 5000
