@@ -163,6 +163,19 @@ class KVCacheManager:
             pos += k
         return out
 
+    def append_block(self, request) -> int | None:
+        """One more block at the end of the request's table, or None (nothing changed) if the
+        pool has none free: for a decode that just filled its last block, so that its next
+        step needs no allocation."""
+        pool = self.gpu_pool
+        if not pool.free_queue.num_free:
+            return None
+        block = pool.allocate_one()
+        rid = request.request_id
+        self.req_blocks[rid].append(block)
+        self.req_block_ids[rid].append(block.block_id)
+        return block.block_id
+
     def _new_table(self, rid: str) -> list[KVBlock]:
         blocks = self.req_blocks[rid] = []
         self.req_block_ids[rid] = []

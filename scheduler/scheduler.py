@@ -40,11 +40,15 @@ class Scheduler:
         self.max_model_len = min(config.max_model_len, capacity)
         self.requests: dict[str, Request] = {}
         self.running: list[Request] = []
-        # Running requests whose next step is not a plain decode (one token into a slot of their
-        # last block): prefill chunks still to go, decodes that start a new block, and anything
-        # that entered `running` since the last update. Every other running request is plain, so
-        # a step where all of them fit needs no per-request decisions. Ids in `running` order.
+        # Running requests whose next step is not a plain decode (one token into a slot it
+        # already holds): prefill chunks still to go, decodes that found no free block for
+        # their next token, and anything that entered `running` since the last update. Every
+        # other running request is plain, so a step where all of them fit needs no per-request
+        # decisions. Ids in `running` order.
         self._attention: dict[str, Request] = {}
+        # Blocks that decodes which filled their last block took at the end of an update
+        # (request id -> block id): reported in the next output's new_block_ids.
+        self._appended: dict[str, int] = {}
         # The ids of `running` in order, each mapped to 1 (a plain decode's tokens): the
         # num_scheduled_tokens of a step where all of them run, but for `_attention`'s.
         self._running_ids: dict[str, int] = {}
@@ -118,6 +122,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(block_tables=self.kv.req_block_ids)
+        if self._appended:
+            self._report_appended(out)
         budget = self.config.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
         if not out.preempted_swap and not out.preempted_recompute:
@@ -126,6 +132,16 @@ class Scheduler:
         out.all_running_scheduled = len(out.scheduled) == len(self.running)
         out.finished_ids, self._finished_ids = self._finished_ids, set()
         return out
+
+    def _report_appended(self, out: SchedulerOutput) -> None:
+        """Blocks taken by the last update, for requests that still hold them (not preempted,
+        aborted or finished since)."""
+        requests, running = self.requests, RequestStatus.RUNNING
+        for rid, block_id in self._appended.items():
+            request = requests.get(rid)
+            if request is not None and request.status is running:
+                out.new_block_ids[rid] = [block_id]
+        self._appended = {}
 
     def _chunk(self, request: Request, budget: int) -> int:
         return min(request.num_tokens - request.num_computed_tokens, budget)
@@ -173,13 +189,11 @@ class Scheduler:
         return True
 
     def _schedule_running_in_order(self, out: SchedulerOutput, budget: int) -> int:
-        # The hot loop (every running request, every step). The requests scheduled here are
-        # always a prefix of `running` (victims come from the unscheduled rest), so the loop
-        # only fills num_scheduled_tokens and `scheduled` is one slice at the end. A decode
-        # that stays inside its last block skips the KV manager entirely.
+        # The requests scheduled here are always a prefix of `running` (victims come from the
+        # unscheduled rest), so the loop only fills num_scheduled_tokens and `scheduled` is one
+        # slice at the end. A plain decode (its slot is there) skips the KV manager entirely.
         running = self.running
         kv = self.kv
-        bs = kv.block_size
         num_scheduled = out.num_scheduled_tokens  # empty: len() = running requests scheduled
         new_block_ids = out.new_block_ids
         start_budget = budget
@@ -188,9 +202,8 @@ class Scheduler:
             for request in islice(running, len(num_scheduled), None):
                 if budget <= 0:
                     break
-                computed = request.num_computed_tokens
-                n = len(request.all_token_ids) - computed
-                if n != 1 or not computed % bs:
+                n = len(request.all_token_ids) - request.num_computed_tokens
+                if not request.plain_decode:
                     if n > budget:
                         n = budget
                     new_ids = kv.allocate_slots(request, n)
@@ -331,6 +344,7 @@ class Scheduler:
 
     def _preempt(self, victim: Request, out: SchedulerOutput, mode: str | None = None) -> None:
         self._stop_running(victim)
+        out.new_block_ids.pop(victim.request_id, None)  # given back, or swapped out
         victim.num_preemptions += 1
         mode = mode or self._preemption_mode(victim)
         if mode == "swap":
@@ -391,6 +405,8 @@ class Scheduler:
         stops = self._stop_tokens
         if stops and not stops.keys().isdisjoint(new_tokens.values()):
             self._stop_candidates(sampled)
+        appended = self._appended
+        append_block = self.kv.append_block
         for request in scheduler_output.scheduled:
             if request.plain_decode:  # the common case, kept short: see _attention
                 token = sampled[request.request_id]  # a plain decode always samples
@@ -403,13 +419,19 @@ class Scheduler:
                     finished[request.request_id] = self._finish_on(request, token)
                 elif computed % bs:  # a stop-token candidate that is not its stop token
                     request.decode_event = self._next_decode_event(request)
-                else:  # its last block is full
-                    # The next token needs a new block. The full one enters the prefix cache
-                    # when the request frees its blocks (KVCacheManager.free), in one call for
-                    # all it filled: no prompt is likely to repeat a running request's newest
-                    # output before that.
-                    request.plain_decode = False
-                    attention[request.request_id] = request
+                else:  # its last block is full: the next token needs a new one, taken now
+                    # (the full block enters the prefix cache when the request frees its
+                    # blocks, KVCacheManager.free, in one call for all it filled: no prompt is
+                    # likely to repeat a running request's newest output before that)
+                    block_id = append_block(request)
+                    if block_id is None:  # no free block: schedule() finds one or preempts
+                        request.plain_decode = False
+                        attention[request.request_id] = request
+                    else:
+                        appended[request.request_id] = block_id
+                        request.decode_event = computed + bs
+                        if request.decode_event > request.max_num_tokens - 1:
+                            request.decode_event = request.max_num_tokens - 1
                 continue
             rid = request.request_id
             if request.status is not running:
@@ -577,9 +599,10 @@ class Scheduler:
         bs = self.kv.block_size
         for r in self.running:
             assert r.plain_decode == (r.request_id not in self._attention)
-            if r.plain_decode:  # one token into a slot of its last block
+            if r.plain_decode:  # one token into a slot it holds
                 assert r.num_tokens - r.num_computed_tokens == 1, f"{r} is not a plain decode"
-                assert r.num_computed_tokens % bs, f"{r} needs a new block"
+                num_slots = len(self.kv.block_ids(r.request_id)) * bs
+                assert num_slots > r.num_computed_tokens, f"{r} has no slot for its next token"
                 assert r.decode_event == self._next_decode_event(r), f"{r} event misplaced"
         for r in self.swapped:
             assert r.status == RequestStatus.SWAPPED

@@ -255,3 +255,18 @@ def test_registered_hashes_are_the_hash_block_chain(salt):
         chain.append(parent)
     assert kv.cached_hashes() == chain
     kv.check_integrity()
+
+
+def test_allocate_one_takes_the_head_and_evicts_its_hash():
+    pool = BlockPool(3, 2)
+    a = pool.allocate(2)
+    h = hash_block(None, [1, 2], None)
+    pool.cache(a[0], h, [1, 2])
+    pool.free([a[0]])  # cached, at the tail behind the never-used block 2
+    assert pool.allocate_one().block_id == 2
+    block = pool.allocate_one()
+    assert block is a[0] and block.ref_cnt == 1 and block.block_hash is None
+    assert pool.lookup(h, [1, 2]) is None  # reused for other tokens: no longer findable
+    pool.check_integrity()
+    with pytest.raises(ValueError, match="none free"):
+        pool.allocate_one()

@@ -83,6 +83,43 @@ def test_exact_blocks_and_chunks_for_two_requests():
     assert sched.kv.all_free()
 
 
+def test_a_decode_that_fills_its_block_takes_the_next_one_as_the_step_ends():
+    sched = make_sched(num_blocks=3, block_size=4, max_num_batched_tokens=16)
+    runner = FakeRunner(VOCAB)
+    sched.add_request(Request("a", [1, 2, 3], max_tokens=6))
+    out, _ = step(sched, runner)  # the prompt: 3 tokens in block 0, one token sampled
+    assert out.new_block_ids == {"a": [0]}
+    out, _ = step(sched, runner)  # the decode fills block 0; block 1 is taken as it ends
+    assert out.new_block_ids == {}
+    assert sched.kv.block_ids("a") == [0, 1]
+    sched.check_integrity()
+    out, _ = step(sched, runner)  # reported in the output of the step that writes it first
+    assert out.new_block_ids == {"a": [1]}
+    run_to_end(sched, runner)
+    assert sched.kv.all_free()
+
+
+def test_a_full_block_with_no_free_one_waits_for_schedule_which_preempts():
+    sched = make_sched(
+        num_blocks=2, block_size=4, max_num_batched_tokens=16, preemption_mode="recompute"
+    )
+    runner = FakeRunner(VOCAB)
+    sched.add_request(Request("a", [1, 2, 3], max_tokens=4))
+    sched.add_request(Request("b", [4, 5, 6], max_tokens=4))
+    step(sched, runner)
+    step(sched, runner)  # both fill their only block; the pool has none left to take
+    assert sched.kv.block_ids("a") == [0] and sched.kv.block_ids("b") == [1]
+    sched.check_integrity()
+    out = sched.schedule()
+    assert out.preempted_recompute == ["b"]  # the latest arrival gives way
+    assert out.num_scheduled_tokens == {"a": 1} and out.new_block_ids == {"a": [1]}
+    sched.update_from_output(out, runner.execute(out))
+    b = sched.requests["b"]
+    run_to_end(sched, runner)
+    assert b.output_token_ids == reference_tokens([4, 5, 6], 4)  # recomputed, resumed
+    assert sched.kv.all_free()
+
+
 def test_outputs_match_reference_and_stop_tokens():
     sched = make_sched(num_blocks=32)
     runner = FakeRunner(VOCAB)
