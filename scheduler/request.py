@@ -37,27 +37,29 @@ FINISH_REASONS = {
 class Request:
     """A request as the scheduler, the KV manager and the policies see it (no tensors)."""
 
+    # Slot order is memory layout: the fields a plain decode's update reads and writes come
+    # first, so that each running request costs one or two cache lines a step, not three.
     __slots__ = (
+        "plain_decode",
         "request_id",
+        "num_computed_tokens",
+        "output_token_ids",
+        "all_token_ids",
+        "decode_event",
+        "status",
+        "max_num_tokens",
+        "stop_token_ids",
         "tenant",
         "priority",
         "prompt_token_ids",
         "num_prompt_tokens",
-        "output_token_ids",
-        "all_token_ids",
         "max_tokens",
-        "max_num_tokens",
-        "stop_token_ids",
         "arrival_time",
         "cache_salt",
-        "num_computed_tokens",
-        "status",
         "num_preemptions",
         "num_prompt_charged",
         "sampling_params",
         "seq",
-        "plain_decode",
-        "decode_event",
     )
 
     def __init__(

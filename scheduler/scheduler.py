@@ -387,7 +387,7 @@ class Scheduler:
         the prompt tokens computed for the first time.
         """
         sampled = runner_output.sampled_token_ids
-        new_tokens = dict(sampled)
+        new_tokens = sampled  # copied only if a token must be dropped (below)
         finished: dict[str, str] = {}
         prefill: dict[str, int] = {}
         num_scheduled = scheduler_output.num_scheduled_tokens
@@ -434,8 +434,11 @@ class Scheduler:
                             request.decode_event = request.max_num_tokens - 1
                 continue
             rid = request.request_id
-            if request.status is not running:
-                new_tokens.pop(rid, None)  # aborted or finished between schedule() and now
+            if request.status is not running:  # aborted or finished since schedule()
+                if rid in new_tokens:
+                    if new_tokens is sampled:
+                        new_tokens = dict(sampled)  # the runner's dict stays as it was
+                    del new_tokens[rid]
                 continue
             n = num_scheduled[rid]
             after = request.num_computed_tokens + n

@@ -262,6 +262,24 @@ def test_abort_everywhere_frees_blocks():
     assert sched.kv.all_free()
 
 
+def test_abort_between_schedule_and_update_drops_its_token_only():
+    sched = make_sched(num_blocks=8, block_size=4)
+    runner = FakeRunner(VOCAB)
+    for rid in ("a", "b", "c"):
+        sched.add_request(Request(rid, [1, 2, 3], max_tokens=5))
+    step(sched, runner)
+    out = sched.schedule()  # three plain decodes
+    ro = runner.execute(out)
+    sampled = dict(ro.sampled_token_ids)
+    assert sched.abort("b")
+    updates = sched.update_from_output(out, ro)
+    assert updates.new_tokens == {r: sampled[r] for r in ("a", "c")}
+    assert ro.sampled_token_ids == sampled  # the runner's output is left as it was
+    assert [u.request_id for u in updates] == ["a", "c"]
+    run_to_end(sched, runner)
+    assert sched.kv.all_free()
+
+
 def test_prompt_too_long_is_rejected():
     sched = make_sched(num_blocks=4, block_size=4)  # 16-token pool caps max_model_len
     with pytest.raises(ValueError, match="limit is 15"):
