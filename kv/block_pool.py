@@ -189,11 +189,15 @@ class BlockPool:
     def allocate_one(self) -> KVBlock:
         """`allocate(1)[0]` without the lists (a decode that filled its block: ~16 a step)."""
         queue = self.free_queue
-        block = queue.head.next_free
+        head = queue.head
+        block = head.next_free
         if block is queue.tail:
             raise ValueError("cannot allocate 1 block: none free")
-        assert block is not None
-        queue.remove(block)
+        assert block is not None and block.next_free is not None
+        head.next_free = block.next_free  # FreeBlockQueue.popleft_n(1), inline
+        block.next_free.prev_free = head
+        block.prev_free = block.next_free = None
+        queue.num_free -= 1
         block_hash = block.block_hash
         if block_hash is not None:  # evict, as in allocate
             if self.cached.get(block_hash) is block:

@@ -47,8 +47,9 @@ class Scheduler:
         # decisions. Ids in `running` order.
         self._attention: dict[str, Request] = {}
         # Blocks that decodes which filled their last block took at the end of an update
-        # (request id -> block id): reported in the next output's new_block_ids.
-        self._appended: dict[str, int] = {}
+        # (request id -> [block id]): the next output's new_block_ids, as they are (a request
+        # that stops running before then is taken out, see _stop_running).
+        self._appended: dict[str, list[int]] = {}
         # The ids of `running` in order, each mapped to 1 (a plain decode's tokens): the
         # num_scheduled_tokens of a step where all of them run, but for `_attention`'s.
         self._running_ids: dict[str, int] = {}
@@ -121,9 +122,8 @@ class Scheduler:
     # ---- the step ---------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(block_tables=self.kv.req_block_ids)
-        if self._appended:
-            self._report_appended(out)
+        out = SchedulerOutput(block_tables=self.kv.req_block_ids, new_block_ids=self._appended)
+        self._appended = {}
         budget = self.config.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
         if not out.preempted_swap and not out.preempted_recompute:
@@ -132,16 +132,6 @@ class Scheduler:
         out.all_running_scheduled = len(out.scheduled) == len(self.running)
         out.finished_ids, self._finished_ids = self._finished_ids, set()
         return out
-
-    def _report_appended(self, out: SchedulerOutput) -> None:
-        """Blocks taken by the last update, for requests that still hold them (not preempted,
-        aborted or finished since)."""
-        requests, running = self.requests, RequestStatus.RUNNING
-        for rid, block_id in self._appended.items():
-            request = requests.get(rid)
-            if request is not None and request.status is running:
-                out.new_block_ids[rid] = [block_id]
-        self._appended = {}
 
     def _chunk(self, request: Request, budget: int) -> int:
         return min(request.num_tokens - request.num_computed_tokens, budget)
@@ -325,6 +315,7 @@ class Scheduler:
                 del stops[token]
         self.policy.add_decoding(request.tenant, -1)
         request.plain_decode = False
+        self._appended.pop(rid, None)  # not reported: the request gave its blocks back
 
     def _preempt_lower(self, request: Request, out: SchedulerOutput) -> bool:
         """Make room for `request` by preempting a running request of strictly lower priority."""
@@ -428,7 +419,7 @@ class Scheduler:
                         request.plain_decode = False
                         attention[request.request_id] = request
                     else:
-                        appended[request.request_id] = block_id
+                        appended[request.request_id] = [block_id]
                         request.decode_event = computed + bs
                         if request.decode_event > request.max_num_tokens - 1:
                             request.decode_event = request.max_num_tokens - 1
