@@ -15,6 +15,7 @@ keeps a freed GPU block from being both a swap-out source and a swap-in target i
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Iterable
 from itertools import islice
@@ -59,6 +60,9 @@ class Scheduler:
         # none of these finishes no request by a stop token (one C-speed check per step)
         self._stop_tokens: dict[int, int] = {}
         self.swapped: list[Request] = []
+        # the highest .priority of any request added: when every running request has it, no
+        # waiting request can preempt one for its seat
+        self._max_priority = -math.inf
         self._finished_ids: set[str] = set()
         self._seq = 0
         self.num_preemptions = {"swap": 0, "recompute": 0}
@@ -81,6 +85,7 @@ class Scheduler:
             request.num_prompt_tokens + request.max_tokens, self.max_model_len
         )
         request.status = RequestStatus.WAITING
+        self._max_priority = max(self._max_priority, request.priority)
         self.kv.hash_prompt(request)
         self.requests[request.request_id] = request
         self.policy.enqueue(request)
@@ -250,7 +255,9 @@ class Scheduler:
         policy = self.policy
         request = None  # once chosen, a request keeps its turn while room is made for it
         while budget > 0:
-            if len(self.running) >= self.config.max_num_seqs and not self.priority_preemption:
+            if len(self.running) >= self.config.max_num_seqs and (
+                not self.priority_preemption or not self._num_running_below(self._max_priority)
+            ):
                 return  # no seat, and nobody may take one: spare the policy its peek
             if request is None:
                 request = policy.peek()
@@ -557,6 +564,7 @@ class Scheduler:
         request.max_num_tokens = min(
             request.num_prompt_tokens + request.max_tokens, self.max_model_len
         )
+        self._max_priority = max(self._max_priority, request.priority)
         self.requests[request.request_id] = request
         if num_swapped_blocks:
             cpu_ids = self.kv.import_swapped(request, num_swapped_blocks)
