@@ -103,8 +103,8 @@ class Request:
         self.num_prompt_charged = 0
         self.sampling_params = sampling_params  # opaque to the scheduler; the engine's
         self.seq = 0  # admission sequence number, set by the scheduler (FIFO tie-break)
-        # Scheduler-owned: running, and its next step is one token into a slot of its last
-        # block (see Scheduler._attention for the requests that are not)
+        # Scheduler-owned: running, and its next step is one token into a slot it already
+        # holds (see Scheduler._attention for the requests that are not)
         self.plain_decode = False
         # Scheduler-owned, while plain_decode: the num_computed_tokens at which the next look
         # is due (its last block is full, or it reached its length limit)

@@ -427,9 +427,7 @@ class Scheduler:
                         attention[request.request_id] = request
                     else:
                         appended[request.request_id] = [block_id]
-                        request.decode_event = computed + bs
-                        if request.decode_event > request.max_num_tokens - 1:
-                            request.decode_event = request.max_num_tokens - 1
+                        request.decode_event = self._next_decode_event(request)
                 continue
             rid = request.request_id
             if request.status is not running:  # aborted or finished since schedule()
