@@ -214,7 +214,7 @@ class FairnessCore:
         """No slot anywhere and `t` waits: if some running request has a lower priority, preempt
         the cluster-wide victim and give its slot to `t` on that replica (the replica's local
         scheduler runs `t` first)."""
-        victim = self.preemption.victim(t.priority, self.policy._counters)
+        victim = self.preemption.victim(t.priority, self.policy.counters_view())
         if victim is None:
             return
         r = self.replicas[victim.replica]  # type: ignore[index]
@@ -337,7 +337,7 @@ class FairnessCore:
     def _track_spread(self) -> None:
         if len(self._queued) < 2:
             return
-        counters = self.policy._counters
+        counters = self.policy.counters_view()
         values = [counters[name] for name in self._queued]
         self.max_counter_diff = max(self.max_counter_diff, max(values) - min(values))
 

@@ -12,7 +12,7 @@ unless room came back at home first (then it resumes there).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 from fairbatch.deployments.placement import Placement, ReplicaState
 from fairbatch.deployments.tickets import Ticket
@@ -36,7 +36,7 @@ class Preemption:
             if not level:
                 del self.by_priority[t.priority]
 
-    def victim(self, below: int, counters: dict[str, float]) -> Ticket | None:
+    def victim(self, below: int, counters: Mapping[str, float]) -> Ticket | None:
         """The cluster-wide victim among assigned requests of priority < `below`, or None."""
         lower = [p for p in self.by_priority if p < below]
         if not lower:

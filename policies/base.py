@@ -14,7 +14,7 @@ import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
-from types import EllipsisType
+from types import EllipsisType, MappingProxyType
 from typing import TYPE_CHECKING, ClassVar
 
 from .queues import FRESH, REQUEUED, Entry, Order
@@ -354,6 +354,13 @@ class Policy:
         """Virtual counters per tenant (a copy)."""
         self._settle_all()
         return dict(self._counters)
+
+    def counters_view(self) -> Mapping[str, float]:
+        """Virtual counters per tenant as a read-only live view, settled as of this call (no
+        copy: for a caller that reads a few entries often, such as the cluster controller on
+        every admission). Call again after later rate-charged steps."""
+        self._settle_all()
+        return MappingProxyType(self._counters)
 
     def set_counters(self, counters: dict[str, float]) -> None:
         """Overwrite the counters of the named tenants (registering unknown ones).

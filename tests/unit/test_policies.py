@@ -753,3 +753,15 @@ def test_rate_charged_decode_equals_charge_step(name: str, ops: list[tuple]) -> 
     assert rated.counters() == pytest.approx(spelled.counters())
     assert rated.service() == pytest.approx(spelled.service())
     assert rated.tokens() == spelled.tokens()
+
+
+def test_counters_view_is_settled_read_only_and_live() -> None:
+    p = make_policy("weighted_fair", [TenantSpec("a", weight=2.0), TenantSpec("b")])
+    p.add_decoding("a", 3)
+    p.charge_decode_step({})  # rate-charged: a's counter is pending until read
+    view = p.counters_view()
+    assert view["a"] == p.counters()["a"] == 3 * 2.0 / 2.0  # 3 tokens x output weight 2 / 2
+    with pytest.raises(TypeError):
+        view["a"] = 0.0  # type: ignore[index]
+    p.charge("b", 4, 0)  # an eager charge shows in the live view at once
+    assert view["b"] == 4.0
