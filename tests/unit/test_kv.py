@@ -230,14 +230,19 @@ def test_integrity_catches_leak():
         kv.check_integrity()
 
 
+@pytest.mark.parametrize("intake", [True, False])
 @pytest.mark.parametrize("salt", [None, "group"])
-def test_registered_hashes_are_the_hash_block_chain(salt):
-    """The hashes the cache registers (in runs, by lookup, chunk, decode and free) are exactly
-    `hash_block` chained block by block: what clients compute for prefix affinity."""
+def test_registered_hashes_are_the_hash_block_chain(salt, intake):
+    """The hashes the cache registers (in runs, by lookup, chunk, decode and free; the prompt's
+    hashed at intake or as it goes) are exactly `hash_block` chained block by block: what
+    clients compute for prefix affinity."""
     kv = KVCacheManager(num_gpu_blocks=8, block_size=4)
     tokens = [(7 * i) % 23 for i in range(18)]  # 4 full blocks + 2 tokens
     r = make_req("r", tokens[:9], salt=salt)
-    assert kv.get_computed_blocks(r) == ([], 0)  # hashes block 0 for the lookup
+    if intake:
+        kv.hash_prompt(r)  # as Scheduler.add_request does: blocks 0 and 1
+        assert len(kv.req_hashes["r"]) == 2
+    assert kv.get_computed_blocks(r) == ([], 0)  # a miss (hashes block 0 if not yet)
     kv.allocate_slots(r, 5)
     r.num_computed_tokens = 5
     kv.cache_computed_blocks(r)  # block 0
