@@ -176,35 +176,29 @@ class BlockPool:
         if n > self.free_queue.num_free:
             raise ValueError(f"cannot allocate {n} blocks: only {self.free_queue.num_free} free")
         out = self.free_queue.popleft_n(n)
-        cached = self.cached
         for block in out:
-            block_hash = block.block_hash
-            if block_hash is not None:  # evict: the block is reused for other tokens
-                if cached.get(block_hash) is block:
-                    del cached[block_hash]
-                block.block_hash = block.token_bytes = None
+            if block.block_hash is not None:
+                self._evict(block, block.block_hash)
             block.ref_cnt = 1
         return out
 
     def allocate_one(self) -> KVBlock:
         """`allocate(1)[0]` without the lists (a decode that filled its block: ~16 a step)."""
         queue = self.free_queue
-        head = queue.head
-        block = head.next_free
-        if block is queue.tail:
+        block = queue.head.next_free
+        if block is queue.tail or block is None:
             raise ValueError("cannot allocate 1 block: none free")
-        assert block is not None and block.next_free is not None
-        head.next_free = block.next_free  # FreeBlockQueue.popleft_n(1), inline
-        block.next_free.prev_free = head
-        block.prev_free = block.next_free = None
-        queue.num_free -= 1
-        block_hash = block.block_hash
-        if block_hash is not None:  # evict, as in allocate
-            if self.cached.get(block_hash) is block:
-                del self.cached[block_hash]
-            block.block_hash = block.token_bytes = None
+        queue.remove(block)
+        if block.block_hash is not None:
+            self._evict(block, block.block_hash)
         block.ref_cnt = 1
         return block
+
+    def _evict(self, block: KVBlock, block_hash: bytes) -> None:
+        """Forget a cached block's hash (`block.block_hash`): it is reused for other tokens."""
+        if self.cached.get(block_hash) is block:
+            del self.cached[block_hash]
+        block.block_hash = block.token_bytes = None
 
     def free(self, blocks: Iterable[KVBlock]) -> None:
         released = []

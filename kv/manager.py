@@ -153,7 +153,7 @@ class KVCacheManager:
             blocks = req_blocks.get(rid)
             if blocks is None:
                 blocks = self._new_table(rid)
-            if k == 1:  # a decode that starts a block: most of a step's allocations
+            if k == 1:  # one token into a new block (a prompt that ended on a boundary)
                 block = taken[pos]
                 blocks.append(block)
                 req_block_ids[rid].append(block.block_id)
