@@ -183,7 +183,7 @@ class Replica:
         self._changed = True
         if migrated.kv_blocks is not None:
             self.num_imported_kv_blocks += int(migrated.kv_blocks.shape[2])
-        num_out = len(request.output_token_ids)
+        num_out = request.num_output_tokens
         async for item in self._relay(rid, self.engine.resume(migrated), num_out, owner):
             yield item
 
@@ -442,7 +442,7 @@ class Replica:
 
     def _num_out(self, rid: str) -> int:
         request = self.core.scheduler.requests.get(rid)
-        return 0 if request is None else len(request.output_token_ids)
+        return 0 if request is None else request.num_output_tokens
 
 
 def replica_actor(max_restarts: int = 0):

@@ -6,6 +6,7 @@ swap copies -> flattened batch -> one forward -> logits of the rows that sample 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -17,6 +18,24 @@ from fairbatch.kv.cache_engine import CacheEngine
 from fairbatch.scheduler.output import RunnerOutput, SchedulerOutput
 
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
+
+
+class _OutputsOf(Sequence):
+    """Row i's output tokens (`requests[i].output_token_ids`), made when the sampler reads row
+    i: only rows with penalties or random sampling do, so a greedy batch makes none."""
+
+    __slots__ = ("_requests",)
+
+    def __init__(self, requests: list) -> None:
+        self._requests = requests
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [r.output_token_ids for r in self._requests[i]]
+        return self._requests[i].output_token_ids
 
 
 class ModelRunner:
@@ -83,7 +102,7 @@ class ModelRunner:
             logits,
             params,
             [r.prompt_token_ids for r in sample_reqs],
-            [r.output_token_ids for r in sample_reqs],
+            _OutputsOf(sample_reqs),
         )
         sampled = {r.request_id: t for r, t in zip(sample_reqs, result.token_ids)}
         logprobs = {

@@ -8,8 +8,9 @@ prefill, chunked prefill, decode and resume after recompute are one code path.
 from __future__ import annotations
 
 import enum
+import itertools
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Sequence
 
 
 class RequestStatus(enum.IntEnum):
@@ -43,7 +44,6 @@ class Request:
         "plain_decode",
         "request_id",
         "num_computed_tokens",
-        "output_token_ids",
         "all_token_ids",
         "decode_event",
         "status",
@@ -84,8 +84,9 @@ class Request:
         self.priority = priority  # higher = more important
         self.prompt_token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
-        self.output_token_ids: list[int] = []
-        self.all_token_ids = list(prompt_token_ids)  # prompt + output, the cache's view
+        # prompt + output: the one list a sampled token is appended to (output_token_ids is
+        # a view of its tail), what the runner reads and the prefix cache hashes
+        self.all_token_ids = list(prompt_token_ids)
         self.max_tokens = max_tokens
         # prompt + output length at which the request ends; the scheduler lowers it to its
         # context limit when it adopts the request
@@ -115,15 +116,19 @@ class Request:
         return len(self.all_token_ids)
 
     @property
+    def output_token_ids(self) -> OutputTokens:
+        """The tokens generated so far: a live, read-only view of `all_token_ids`' tail."""
+        return OutputTokens(self.all_token_ids, self.num_prompt_tokens)
+
+    @property
     def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
+        return len(self.all_token_ids) - self.num_prompt_tokens
 
     @property
     def is_finished(self) -> bool:
         return self.status >= RequestStatus.FINISHED_STOPPED
 
     def append_output_token(self, token_id: int) -> None:
-        self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
 
     def __repr__(self) -> str:
@@ -131,3 +136,40 @@ class Request:
             f"Request({self.request_id!r}, tenant={self.tenant!r}, prio={self.priority}, "
             f"{self.status.name}, computed={self.num_computed_tokens}/{self.num_tokens})"
         )
+
+
+class OutputTokens(Sequence[int]):
+    """`tokens[start:]` without the copy, live: it grows as `tokens` does. A request's output
+    is the tail of its one token list, so a step appends each sampled token once."""
+
+    __slots__ = ("_tokens", "_start")
+
+    def __init__(self, tokens: list[int], start: int) -> None:
+        self._tokens = tokens
+        self._start = start
+
+    def __len__(self) -> int:
+        return len(self._tokens) - self._start
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return self._tokens[self._start :][index]
+        n = len(self)
+        if index < 0:
+            index += n
+        if not 0 <= index < n:
+            raise IndexError("output token index out of range")
+        return self._tokens[self._start + index]
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.islice(self._tokens, self._start, None)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (OutputTokens, list, tuple)):
+            return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # live and mutable, like the list it views
+
+    def __repr__(self) -> str:
+        return f"OutputTokens({self._tokens[self._start :]!r})"

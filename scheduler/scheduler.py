@@ -409,7 +409,6 @@ class Scheduler:
             if request.plain_decode:  # the common case, kept short: see _attention
                 token = sampled[request.request_id]  # a plain decode always samples
                 computed = request.num_computed_tokens = request.num_computed_tokens + 1
-                request.output_token_ids.append(token)
                 request.all_token_ids.append(token)  # now num_tokens == computed + 1
                 if computed != request.decode_event:
                     continue  # mid-block, short of its limit, no stop token: nothing to do
@@ -448,7 +447,6 @@ class Scheduler:
             if token is None:
                 attention[rid] = request  # a prefill chunk that did not reach the prompt's end
                 continue
-            request.output_token_ids.append(token)
             all_ids = request.all_token_ids
             all_ids.append(token)
             if token in request.stop_token_ids or len(all_ids) >= request.max_num_tokens:

@@ -642,3 +642,23 @@ def test_admission_order_follows_the_policy(policy: str, expected: list[str]) ->
         out, _ = step(sched, runner)
         admitted += [r.request_id for r in out.scheduled if r.request_id not in admitted]
     assert admitted == expected
+
+
+def test_output_tokens_is_a_live_read_only_view_of_the_token_lists_tail():
+    r = Request("v", [7, 8, 9], max_tokens=4)
+    out = r.output_token_ids
+    assert out == [] and len(out) == 0 and r.num_output_tokens == 0
+    r.append_output_token(11)
+    r.append_output_token(12)
+    r.append_output_token(13)
+    # the view taken before the appends sees them; the prompt is not part of it
+    assert out == [11, 12, 13] and out == (11, 12, 13) and out != [11, 12]
+    assert list(out) == [11, 12, 13] and r.num_output_tokens == 3
+    assert (out[0], out[2], out[-1], out[-3]) == (11, 13, 13, 11)
+    assert out[1:] == [12, 13] and out[::-1] == [13, 12, 11]
+    for bad in (3, -4):
+        with pytest.raises(IndexError):
+            out[bad]
+    assert 12 in out and 9 not in out and out.index(13) == 2
+    assert r.all_token_ids == [7, 8, 9, 11, 12, 13]
+    assert not hasattr(out, "append")
