@@ -176,29 +176,15 @@ class BlockPool:
         if n > self.free_queue.num_free:
             raise ValueError(f"cannot allocate {n} blocks: only {self.free_queue.num_free} free")
         out = self.free_queue.popleft_n(n)
+        cached = self.cached
         for block in out:
-            if block.block_hash is not None:
-                self._evict(block, block.block_hash)
+            block_hash = block.block_hash
+            if block_hash is not None:  # a cached block, reused for other tokens: forget it
+                if cached.get(block_hash) is block:
+                    del cached[block_hash]
+                block.block_hash = block.token_bytes = None
             block.ref_cnt = 1
         return out
-
-    def allocate_one(self) -> KVBlock:
-        """`allocate(1)[0]` without the lists (a decode that filled its block: ~16 a step)."""
-        queue = self.free_queue
-        block = queue.head.next_free
-        if block is queue.tail or block is None:
-            raise ValueError("cannot allocate 1 block: none free")
-        queue.remove(block)
-        if block.block_hash is not None:
-            self._evict(block, block.block_hash)
-        block.ref_cnt = 1
-        return block
-
-    def _evict(self, block: KVBlock, block_hash: bytes) -> None:
-        """Forget a cached block's hash (`block.block_hash`): it is reused for other tokens."""
-        if self.cached.get(block_hash) is block:
-            del self.cached[block_hash]
-        block.block_hash = block.token_bytes = None
 
     def free(self, blocks: Iterable[KVBlock]) -> None:
         released = []

@@ -403,8 +403,7 @@ class Scheduler:
         stops = self._stop_tokens
         if stops and not stops.keys().isdisjoint(new_tokens.values()):
             self._stop_candidates(sampled)
-        appended = self._appended
-        append_block = self.kv.append_block
+        filled: list[Request] = []  # plain decodes whose last block is full
         for request in scheduler_output.scheduled:
             if request.plain_decode:  # the common case, kept short: see _attention
                 token = sampled[request.request_id]  # a plain decode always samples
@@ -416,17 +415,8 @@ class Scheduler:
                     finished[request.request_id] = self._finish_on(request, token)
                 elif computed % bs:  # a stop-token candidate that is not its stop token
                     request.decode_event = self._next_decode_event(request)
-                else:  # its last block is full: the next token needs a new one, taken now
-                    # (the full block enters the prefix cache when the request frees its
-                    # blocks, KVCacheManager.free, in one call for all it filled: no prompt is
-                    # likely to repeat a running request's newest output before that)
-                    block_id = append_block(request)
-                    if block_id is None:  # no free block: schedule() finds one or preempts
-                        request.plain_decode = False
-                        attention[request.request_id] = request
-                    else:
-                        appended[request.request_id] = [block_id]
-                        request.decode_event = self._next_decode_event(request)
+                else:  # its last block is full: the next token needs a new one (below)
+                    filled.append(request)
                 continue
             rid = request.request_id
             if request.status is not running:  # aborted or finished since schedule()
@@ -457,9 +447,31 @@ class Scheduler:
             else:
                 attention[rid] = request
         self._attention = attention
+        if filled:
+            self._next_blocks(filled)
         if prefill:
             self.policy.charge_step(prefill, {})
         return StepUpdates(new_tokens, finished)
+
+    def _next_blocks(self, filled: list[Request]) -> None:
+        """Plain decodes that filled their last block get the block for their next token now,
+        all in one call (it goes out in the next step's new_block_ids); those that find none
+        free leave it to schedule(), which finds one or preempts. The full blocks enter the
+        prefix cache when the request frees its blocks (KVCacheManager.free, one call for all
+        it filled): no prompt is likely to repeat a running request's newest output before."""
+        new_ids = self.kv.append_blocks(filled)
+        appended = self._appended
+        bs = self.kv.block_size
+        for request, block_id in zip(filled, new_ids):
+            appended[request.request_id] = [block_id]
+            # _next_decode_event of a request whose last block is full
+            request.decode_event = min(request.num_computed_tokens + bs, request.max_num_tokens - 1)
+        if len(new_ids) < len(filled):
+            for request in filled[len(new_ids) :]:
+                request.plain_decode = False
+            self._attention = {
+                r.request_id: r for r in self.running if not r.plain_decode
+            }  # in running order, as `_attention` always is
 
     def _next_decode_event(self, request: Request) -> int:
         """The num_computed_tokens at which a plain decode next needs a look: its last block

@@ -262,16 +262,22 @@ def test_registered_hashes_are_the_hash_block_chain(salt, intake):
     kv.check_integrity()
 
 
-def test_allocate_one_takes_the_head_and_evicts_its_hash():
-    pool = BlockPool(3, 2)
-    a = pool.allocate(2)
-    h = hash_block(None, [1, 2], None)
-    pool.cache(a[0], h, [1, 2])
-    pool.free([a[0]])  # cached, at the tail behind the never-used block 2
-    assert pool.allocate_one().block_id == 2
-    block = pool.allocate_one()
-    assert block is a[0] and block.ref_cnt == 1 and block.block_hash is None
-    assert pool.lookup(h, [1, 2]) is None  # reused for other tokens: no longer findable
-    pool.check_integrity()
-    with pytest.raises(ValueError, match="none free"):
-        pool.allocate_one()
+def test_append_blocks_takes_the_head_in_order_evicts_and_serves_a_prefix_when_short():
+    kv = KVCacheManager(num_gpu_blocks=6, block_size=2)
+    a, b, c, d = (make_req(x, [1, 2]) for x in "abcd")
+    for r in (a, b, c):
+        assert kv.allocate_slots(r, 2) is not None  # blocks 0, 1, 2
+    h = hash_block(None, [1, 2], "a")
+    kv.gpu_pool.cache(kv.req_blocks["a"][0], h, [1, 2])
+    kv.free(a)  # block 0: cached, at the tail behind the never-used 3, 4, 5
+    assert kv.allocate_slots(d, 2) == [3]
+    assert kv.append_blocks([b, c]) == [4, 5]
+    assert kv.block_ids("b") == [1, 4] and kv.block_ids("c") == [2, 5]
+    assert kv.gpu_pool.lookup(h, [1, 2]) is kv.gpu_pool.blocks[0]  # not taken yet
+    assert kv.append_blocks([d, b, c]) == [0]  # one free block: d only, b and c get nothing
+    assert kv.block_ids("d") == [3, 0] and kv.block_ids("b") == [1, 4]
+    block = kv.gpu_pool.blocks[0]
+    assert block.ref_cnt == 1 and block.block_hash is None and block.token_bytes is None
+    assert kv.gpu_pool.lookup(h, [1, 2]) is None  # reused for other tokens: not findable
+    assert kv.append_blocks([b]) == [] and kv.block_ids("b") == [1, 4]
+    kv.check_integrity()
