@@ -17,6 +17,7 @@ stalls are not instructions: use this to compare code, and `fairbatch bench sche
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shutil
 import subprocess
@@ -63,7 +64,10 @@ for _ in range(steps):
 def _instructions(root: str, policy: str, steps: int, extra: str) -> int:
     cmd = ["valgrind", "--tool=cachegrind", "--cache-sim=no", "--cachegrind-out-file=/dev/null"]
     cmd += [sys.executable, "-c", _CHILD, root, policy, str(steps), extra]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
+    # A fixed string-hash seed: dict and set layouts (and so the instructions they take) are
+    # the same in every run, which makes two trees' counts comparable to a few hundred.
+    env = {**os.environ, "PYTHONHASHSEED": "0"}
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env).stderr
     match = re.search(r"I\s+refs:\s+([\d,]+)", out)
     if match is None:
         raise RuntimeError(f"no instruction count in valgrind's output:\n{out[-2000:]}")
