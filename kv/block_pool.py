@@ -215,48 +215,53 @@ class BlockPool:
 
     def cache(self, block: KVBlock, block_hash: bytes, token_ids: Sequence[int]) -> None:
         """Register a full, computed block under its hash (first writer wins on duplicates)."""
-        self.cache_run([block], token_ids, [block_hash], 0, 1, None)
+        self.register([block], [block_hash], [pack_tokens(token_ids)], 0, 1)
 
-    def cache_run(
+    def extend_chain(
         self,
-        blocks: Sequence[KVBlock],
         token_ids: Sequence[int],
         hashes: list[bytes],
-        start: int,
-        stop: int,
+        packed: list[bytes],
+        num_blocks: int,
         salt: str | None,
     ) -> None:
-        """Register blocks[start:stop] of one sequence, whose tokens are `token_ids`.
-
-        `hashes` holds the sequence's chained block hashes as far as known; missing ones (also
-        below `start`) are computed and appended (start == stop: only that). One loop with the
-        packing, hashing and registration inline: this runs for every block any request fills.
-        """
-        first = min(start, len(hashes))
-        if first >= stop:
+        """Hash a sequence's full blocks from `len(hashes)` up to `num_blocks`: append each
+        block's chained hash (`hash_packed`) to `hashes` and its `pack_tokens` bytes to `packed`
+        (what a hit is checked against). One struct call packs the whole run."""
+        first = len(hashes)
+        if first >= num_blocks:
             return
         bs = self.block_size
-        # All the run's tokens packed by one struct call; each block's bytes are a slice.
-        run = pack_tokens(token_ids[first * bs : stop * bs])
         width = 8 * bs
+        run = pack_tokens(token_ids[first * bs : num_blocks * bs])
+        block_hash = hashes[-1] if first else _chain_start(salt)
+        for offset in range(0, len(run), width):
+            block_bytes = run[offset : offset + width]
+            # hash_packed, inline: the chain's parent is the previous block's hash
+            block_hash = _blake2b(block_hash + block_bytes, digest_size=16).digest()
+            hashes.append(block_hash)
+            packed.append(block_bytes)
+
+    def register(
+        self,
+        blocks: Sequence[KVBlock],
+        hashes: Sequence[bytes],
+        packed: Sequence[bytes],
+        start: int,
+        stop: int,
+    ) -> None:
+        """Register blocks[start:stop] of one sequence, block i under `hashes[i]` with tokens
+        `packed[i]` (see `extend_chain`). A block already registered keeps its entry, and a
+        hash already registered keeps its block (first writer wins)."""
+        if not self.enable_caching:
+            return
         cached = self.cached
-        enabled = self.enable_caching
-        num_known = len(hashes)
-        block_hash = hashes[first - 1] if first else _chain_start(salt)
-        for i in range(first, stop):
-            offset = (i - first) * width
-            packed = run[offset : offset + width]
-            if i < num_known:
-                block_hash = hashes[i]
-            else:  # hash_packed, inline: the chain's parent is the previous block's hash
-                block_hash = _blake2b(block_hash + packed, digest_size=16).digest()
-                hashes.append(block_hash)
-            if i < start:
-                continue  # hashed only to continue the chain
+        for i in range(start, stop):
             block = blocks[i]
-            if enabled and block.block_hash is None and block_hash not in cached:
+            block_hash = hashes[i]
+            if block.block_hash is None and block_hash not in cached:
                 block.block_hash = block_hash
-                block.token_bytes = packed
+                block.token_bytes = packed[i]
                 cached[block_hash] = block
 
     def reset_cache(self) -> None:

@@ -11,7 +11,7 @@ Pure Python: no torch. Requests are duck-typed: `.request_id`, `.all_token_ids`,
 
 from __future__ import annotations
 
-from fairbatch.kv.block_pool import BlockPool, KVBlock, hash_packed, pack_tokens
+from fairbatch.kv.block_pool import BlockPool, KVBlock
 
 
 def cdiv(a: int, b: int) -> int:
@@ -35,6 +35,9 @@ class KVCacheManager:
         self.req_blocks: dict[str, list[KVBlock]] = {}  # request id -> its GPU blocks, in order
         self.req_block_ids: dict[str, list[int]] = {}  # the same as ids: the live block table
         self.req_hashes: dict[str, list[bytes]] = {}  # hashes of the request's full blocks
+        # ... and each of those blocks' tokens as pack_tokens() bytes (what a hit is checked
+        # against, and what a registered block keeps): packed once, when hashed
+        self.req_packed: dict[str, list[bytes]] = {}
         self.num_cached: dict[str, int] = {}  # how many leading blocks are registered in the cache
         self.swapped: dict[str, list[KVBlock]] = {}  # request id -> its CPU blocks
 
@@ -58,14 +61,22 @@ class KVCacheManager:
     def hash_prompt(self, request) -> None:
         """Hash the full blocks of a new request's tokens, at intake (as vLLM does when a
         request is created): the admission's cache lookup and the registration after its
-        prefill then find the hashes made. Requests that skip this are hashed as they go."""
+        prefill then find the hashes and packed tokens made. Requests that skip this are
+        hashed as they go."""
         if self.enable_prefix_caching:
-            hashes = self.req_hashes.setdefault(request.request_id, [])
+            hashes, packed = self._chain(request.request_id)
             num_full = len(request.all_token_ids) // self.block_size
-            # start == stop: cache_run only extends the chain, it registers nothing
-            self.gpu_pool.cache_run(
-                (), request.all_token_ids, hashes, num_full, num_full, request.cache_salt
+            self.gpu_pool.extend_chain(
+                request.all_token_ids, hashes, packed, num_full, request.cache_salt
             )
+
+    def _chain(self, rid: str) -> tuple[list[bytes], list[bytes]]:
+        """The request's block hashes and packed block tokens so far (created empty)."""
+        hashes = self.req_hashes.get(rid)
+        if hashes is None:
+            hashes = self.req_hashes[rid] = []
+            self.req_packed[rid] = []
+        return hashes, self.req_packed[rid]
 
     def get_computed_blocks(self, request) -> tuple[list[KVBlock], int]:
         """Cached blocks holding a prefix of the request's tokens, and how many tokens they cover.
@@ -76,18 +87,14 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching or request.request_id in self.req_blocks:
             return [], 0
-        hashes = self.req_hashes.setdefault(request.request_id, [])
-        tokens, bs, salt = request.all_token_ids, self.block_size, request.cache_salt
-        lookup = self.gpu_pool.lookup_packed
-        cached = self.gpu_pool.cached
+        hashes, packed = self._chain(request.request_id)
+        tokens, bs = request.all_token_ids, self.block_size
+        pool = self.gpu_pool
         hits: list[KVBlock] = []
         for i in range((len(tokens) - 1) // bs):
-            if i < len(hashes) and hashes[i] not in cached:
-                break  # the common miss: no packing needed to tell
-            packed = pack_tokens(tokens[i * bs : (i + 1) * bs])
             if i == len(hashes):
-                hashes.append(hash_packed(hashes[-1] if i else None, packed, salt))
-            block = lookup(hashes[i], packed)
+                pool.extend_chain(tokens, hashes, packed, i + 1, request.cache_salt)
+            block = pool.lookup_packed(hashes[i], packed[i])
             if block is None:
                 break
             hits.append(block)
@@ -211,10 +218,12 @@ class KVCacheManager:
         start = self.num_cached[rid]
         if num_full <= start:
             return
-        hashes = self.req_hashes.setdefault(rid, [])
-        self.gpu_pool.cache_run(
-            self.req_blocks[rid], request.all_token_ids, hashes, start, num_full, request.cache_salt
-        )
+        hashes, packed = self._chain(rid)
+        if len(hashes) < num_full:
+            self.gpu_pool.extend_chain(
+                request.all_token_ids, hashes, packed, num_full, request.cache_salt
+            )
+        self.gpu_pool.register(self.req_blocks[rid], hashes, packed, start, num_full)
         self.num_cached[rid] = num_full
 
     def free(self, request) -> None:
@@ -240,6 +249,7 @@ class KVCacheManager:
         """Free everything and drop the cached hashes (the request is finished)."""
         self.free(request)
         self.req_hashes.pop(request.request_id, None)
+        self.req_packed.pop(request.request_id, None)
 
     # ---- swap space -------------------------------------------------------------------------
 
@@ -315,6 +325,9 @@ class KVCacheManager:
             assert b.ref_cnt == refs.get(b.block_id, 0), f"{b}: ref count != block-table uses"
         for rid, blocks in self.req_blocks.items():
             assert self.req_block_ids[rid] == [b.block_id for b in blocks], f"{rid} table stale"
+        assert self.req_packed.keys() == self.req_hashes.keys(), "hash and token chains differ"
+        for rid, hashes in self.req_hashes.items():
+            assert len(self.req_packed[rid]) == len(hashes), f"{rid}: tokens packed != hashed"
         num_swapped = sum(len(v) for v in self.swapped.values())
         assert num_swapped == self.cpu_pool.num_used_blocks, "swap blocks leaked"
 

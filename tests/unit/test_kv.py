@@ -259,6 +259,9 @@ def test_registered_hashes_are_the_hash_block_chain(salt, intake):
         parent = hash_block(parent, tokens[4 * i : 4 * i + 4], r.cache_salt)
         chain.append(parent)
     assert kv.cached_hashes() == chain
+    for i, h in enumerate(chain):  # each block keeps its own tokens, checked on a hit
+        assert kv.gpu_pool.lookup(h, tokens[4 * i : 4 * i + 4]) is kv.gpu_pool.cached[h]
+        assert kv.gpu_pool.lookup(h, tokens[4 * i + 1 : 4 * i + 5]) is None
     kv.check_integrity()
 
 
