@@ -180,8 +180,7 @@ class BlockPool:
         for block in out:
             block_hash = block.block_hash
             if block_hash is not None:  # a cached block, reused for other tokens: forget it
-                if cached.get(block_hash) is block:
-                    del cached[block_hash]
+                del cached[block_hash]  # (a block carries a hash only while indexed under it)
                 block.block_hash = block.token_bytes = None
             block.ref_cnt = 1
         return out
