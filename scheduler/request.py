@@ -12,6 +12,8 @@ import itertools
 import time
 from collections.abc import Iterable, Iterator, Sequence
 
+MAX_TOKEN_ID = 2**32 - 1  # the prefix cache packs token ids as uint32 (kv.block_pool)
+
 
 class RequestStatus(enum.IntEnum):
     WAITING = 0  # queued; has no GPU blocks (new, or preempted for recompute)
@@ -77,6 +79,8 @@ class Request:
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt_token_ids must not be empty")
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) > MAX_TOKEN_ID:
+            raise ValueError(f"token ids must be in [0, {MAX_TOKEN_ID}] (vocabulary indices)")
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         self.request_id = request_id

@@ -662,3 +662,10 @@ def test_output_tokens_is_a_live_read_only_view_of_the_token_lists_tail():
     assert 12 in out and 9 not in out and out.index(13) == 2
     assert r.all_token_ids == [7, 8, 9, 11, 12, 13]
     assert not hasattr(out, "append")
+
+
+def test_request_rejects_token_ids_outside_uint32():
+    Request("ok", [0, 2**32 - 1], max_tokens=1)  # the whole range the prefix cache packs
+    for bad in ([-1, 5], [5, 2**32]):
+        with pytest.raises(ValueError, match="token ids must be in"):
+            Request("bad", bad, max_tokens=1)
