@@ -74,6 +74,7 @@ def _packer(n: int) -> Callable[..., bytes]:
 
 
 _blake2b = hashlib.blake2b
+_BLAKE2B_128 = _blake2b(digest_size=16)  # never updated: extend_chain hashes with copies
 _TOKEN_BYTES = 4  # pack_tokens: uint32 a token
 _PACKERS: dict[int, Callable[..., bytes]] = {}  # block length -> its struct packer
 
@@ -238,10 +239,14 @@ class BlockPool:
         width = _TOKEN_BYTES * bs
         run = pack_tokens(token_ids[first * bs : num_blocks * bs])
         block_hash = hashes[-1] if first else _chain_start(salt)
+        new_hasher = _BLAKE2B_128.copy  # a copy skips blake2b()'s parameter parsing
         for offset in range(0, len(run), width):
             block_bytes = run[offset : offset + width]
             # hash_packed, inline: the chain's parent is the previous block's hash
-            block_hash = _blake2b(block_hash + block_bytes, digest_size=16).digest()
+            hasher = new_hasher()
+            hasher.update(block_hash)
+            hasher.update(block_bytes)
+            block_hash = hasher.digest()
             hashes.append(block_hash)
             packed.append(block_bytes)
 
