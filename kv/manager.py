@@ -138,7 +138,7 @@ class KVCacheManager:
         """`allocate_slots(request, n)` for each (request, n) pair, in order, in one call: all
         of them, or None (nothing changed) if the pool is short of the total. Block ids come
         out exactly as from one call per request."""
-        req_blocks, req_block_ids, bs = self.req_blocks, self.req_block_ids, self.block_size
+        req_blocks, bs = self.req_blocks, self.block_size
         needs = []
         total = 0
         for request, n in zip(requests, num_new_tokens):
@@ -160,13 +160,7 @@ class KVCacheManager:
             blocks = req_blocks.get(rid)
             if blocks is None:
                 blocks = self._new_table(rid)
-            if k == 1:  # one token into a new block (a prompt that ended on a boundary)
-                block = taken[pos]
-                blocks.append(block)
-                req_block_ids[rid].append(block.block_id)
-                out.append([block.block_id])
-            else:
-                out.append(self._append(rid, blocks, taken[pos : pos + k]))
+            out.append(self._append(rid, blocks, taken[pos : pos + k]))
             pos += k
         return out
 

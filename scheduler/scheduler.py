@@ -169,15 +169,16 @@ class Scheduler:
         num_tokens = len(running) - len(attention) + sum(chunks)  # plain decodes: one each
         if num_tokens > budget:
             return False
-        new_ids = self.kv.allocate_slots_batch(attention.values(), chunks)
-        if new_ids is None:
-            return False
         num_scheduled = self._running_ids.copy()
-        new_block_ids = out.new_block_ids
-        for rid, n, ids in zip(attention, chunks, new_ids):
-            num_scheduled[rid] = n
-            if ids:
-                new_block_ids[rid] = ids
+        if attention:  # (in most steps every running request is a plain decode)
+            new_ids = self.kv.allocate_slots_batch(attention.values(), chunks)
+            if new_ids is None:
+                return False
+            new_block_ids = out.new_block_ids
+            for rid, n, ids in zip(attention, chunks, new_ids):
+                num_scheduled[rid] = n
+                if ids:
+                    new_block_ids[rid] = ids
         out.scheduled = running[:]
         out.num_scheduled_tokens = num_scheduled
         out.total_num_scheduled_tokens = num_tokens
@@ -403,7 +404,7 @@ class Scheduler:
         stops = self._stop_tokens
         if stops and not stops.keys().isdisjoint(new_tokens.values()):
             self._stop_candidates(sampled)
-        filled: list[Request] = []  # plain decodes whose last block is full
+        filled: list[Request] = []  # plain decodes whose last block is full, in batch order
         for request in scheduler_output.scheduled:
             if request.plain_decode:  # the common case, kept short: see _attention
                 token = sampled[request.request_id]  # a plain decode always samples
@@ -441,11 +442,12 @@ class Scheduler:
             all_ids.append(token)
             if token in request.stop_token_ids or len(all_ids) >= request.max_num_tokens:
                 finished[rid] = self._finish_on(request, token)
-            elif in_block:
+            else:  # a plain decode from now on
                 request.plain_decode = True
-                request.decode_event = self._next_decode_event(request)
-            else:
-                attention[rid] = request
+                if in_block:
+                    request.decode_event = self._next_decode_event(request)
+                else:  # its chunk filled its last block: the next one comes as for decodes
+                    filled.append(request)
         self._attention = attention
         if filled:
             self._next_blocks(filled)
