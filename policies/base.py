@@ -336,9 +336,10 @@ class Policy:
 
     def _counter(self, tenant: str) -> float:
         """The tenant's counter, settled (0.0 for a tenant never seen)."""
-        if tenant not in self._settled:
+        settled = self._settled.get(tenant)
+        if settled is None:
             return 0.0
-        if self._settled[tenant] != self._decode_steps:
+        if settled != self._decode_steps:
             self._settle(tenant)
         return self._counters[tenant]
 

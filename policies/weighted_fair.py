@@ -40,7 +40,7 @@ class VtcOrder(HeadOrder):
 
     def tenant_key(self, tq: TenantQueue) -> tuple:
         assert tq.head is not None
-        return (self._counter(tq.name), *tq.head.key)
+        return (self._counter(tq.name),) + tq.head.key
 
     def rank_key(self, req: Request, flag: int) -> tuple:
         return (self._counter(req.tenant), flag, req.seq)
