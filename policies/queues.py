@@ -137,7 +137,8 @@ class Order:
 class HeadOrder(Order):
     """Serves the eligible tenant whose `tenant_key` is smallest (fcfs, weighted_fair).
 
-    The tenants sit in a heap of `(tenant_key, version, TenantQueue)`. An item is current only
+    The tenants sit in a heap of `(*tenant_key, version, TenantQueue)` (flat: a comparison
+    stops at the first element that differs, without a nested tuple). An item is current only
     while its version equals the queue's; re-indexing pushes a new item and strands the old one.
     A tenant key that only *grew* since it was pushed (weighted_fair: a counter was charged) is
     fixed when it surfaces, so `charge()` costs no heap work; anything that can *lower* a key
@@ -147,7 +148,7 @@ class HeadOrder(Order):
 
     def __init__(self, policy: Policy) -> None:
         super().__init__(policy)
-        self._heap: list[tuple[tuple, int, TenantQueue]] = []
+        self._heap: list[tuple] = []
 
     def tenant_key(self, tq: TenantQueue) -> tuple:
         """The key of `tq`'s head for choosing among tenants; tq.head is not None."""
@@ -183,18 +184,19 @@ class HeadOrder(Order):
         heap = self._heap
         throttled = self._policy._throttled
         while heap:
-            key, version, tq = heap[0]
-            if version != tq.version:
+            item = heap[0]
+            tq = item[-1]
+            if item[-2] != tq.version:
                 heappop(heap)  # stranded by a re-index
             elif tq.name in throttled:
                 heappop(heap)
                 tq.version += 1  # out of the heap until eligibility_changed re-indexes it
             else:
                 current = self.tenant_key(tq)
-                if current == key:
+                if current == item[:-2]:
                     return tq.head
                 tq.version += 1  # the key grew since it was pushed: sink it to its place
-                heapreplace(heap, (current, tq.version, tq))
+                heapreplace(heap, current + (tq.version, tq))
         return None
 
     def eligibility_changed(self, tenant: str) -> None:
@@ -208,11 +210,11 @@ class HeadOrder(Order):
     def _index(self, tq: TenantQueue) -> None:
         heap = self._heap
         # After a pop the served tenant's item is usually on top: replace it in one sift.
-        on_top = bool(heap) and heap[0][2] is tq and heap[0][1] == tq.version
+        on_top = bool(heap) and heap[0][-1] is tq and heap[0][-2] == tq.version
         tq.version += 1
         if tq.head is None or tq.name in self._policy._throttled:
             return
-        item = (self.tenant_key(tq), tq.version, tq)
+        item = self.tenant_key(tq) + (tq.version, tq)
         if on_top:
             heapreplace(heap, item)
         else:
@@ -225,6 +227,6 @@ class HeadOrder(Order):
         heap = []
         for tq in self._queues.values():
             if tq.head is not None and tq.name not in throttled:
-                heap.append((self.tenant_key(tq), tq.version, tq))
+                heap.append(self.tenant_key(tq) + (tq.version, tq))
         heapify(heap)
         self._heap = heap
