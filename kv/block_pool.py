@@ -65,7 +65,10 @@ def pack_tokens(token_ids: Sequence[int]) -> bytes:
     BLAKE2b block: one compression a hash instead of two. Token ids are vocabulary indices,
     so `Request` admits only 0 <= id < 2**32."""
     n = len(token_ids)
-    return (_PACKERS.get(n) or _packer(n))(*token_ids)
+    try:
+        return (_PACKERS.get(n) or _packer(n))(*token_ids)
+    except struct.error:
+        raise ValueError(f"token ids must be integers in [0, 2**32): {token_ids!r}") from None
 
 
 def _packer(n: int) -> Callable[..., bytes]:

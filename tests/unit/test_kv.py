@@ -284,3 +284,10 @@ def test_append_blocks_takes_the_head_in_order_evicts_and_serves_a_prefix_when_s
     assert kv.gpu_pool.lookup(h, [1, 2]) is None  # reused for other tokens: not findable
     assert kv.append_blocks([b]) == [] and kv.block_ids("b") == [1, 4]
     kv.check_integrity()
+
+
+def test_hash_block_rejects_token_ids_outside_uint32_clearly():
+    assert hash_block(None, [0, 2**32 - 1], "s") != hash_block(None, [0, 2**32 - 2], "s")
+    for bad in ([-1, 2], [2**32, 2], [1.5, 2]):
+        with pytest.raises(ValueError, match=r"token ids must be integers in \[0, 2\*\*32\)"):
+            hash_block(None, bad, "s")
