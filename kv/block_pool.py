@@ -68,7 +68,8 @@ def pack_tokens(token_ids: Sequence[int]) -> bytes:
     try:
         return (_PACKERS.get(n) or _packer(n))(*token_ids)
     except struct.error:
-        raise ValueError(f"token ids must be integers in [0, 2**32): {token_ids!r}") from None
+        bad = next((t for t in token_ids if not (isinstance(t, int) and 0 <= t < 2**32)), None)
+        raise ValueError(f"token ids must be integers in [0, 2**32), got {bad!r}") from None
 
 
 def _packer(n: int) -> Callable[..., bytes]:

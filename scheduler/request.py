@@ -77,20 +77,21 @@ class Request:
         cache_salt: str | None = None,
         sampling_params: object = None,
     ) -> None:
-        if not prompt_token_ids:
+        prompt = list(prompt_token_ids)
+        if not prompt:
             raise ValueError("prompt_token_ids must not be empty")
-        if min(prompt_token_ids) < 0 or max(prompt_token_ids) > MAX_TOKEN_ID:
+        if min(prompt) < 0 or max(prompt) > MAX_TOKEN_ID:
             raise ValueError(f"token ids must be in [0, {MAX_TOKEN_ID}] (vocabulary indices)")
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         self.request_id = request_id
         self.tenant = tenant
         self.priority = priority  # higher = more important
-        self.prompt_token_ids = list(prompt_token_ids)
-        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.prompt_token_ids = prompt
+        self.num_prompt_tokens = len(prompt)
         # prompt + output: the one list a sampled token is appended to (output_token_ids is
         # a view of its tail), what the runner reads and the prefix cache hashes
-        self.all_token_ids = list(prompt_token_ids)
+        self.all_token_ids = list(prompt)
         self.max_tokens = max_tokens
         # prompt + output length at which the request ends; the scheduler lowers it to its
         # context limit when it adopts the request

@@ -669,3 +669,9 @@ def test_request_rejects_token_ids_outside_uint32():
     for bad in ([-1, 5], [5, 2**32]):
         with pytest.raises(ValueError, match="token ids must be in"):
             Request("bad", bad, max_tokens=1)
+
+
+def test_request_takes_its_prompt_from_any_iterable_once():
+    r = Request("g", (t for t in [3, 4, 5]), max_tokens=2)
+    assert r.prompt_token_ids == [3, 4, 5] and r.all_token_ids == [3, 4, 5]
+    assert r.prompt_token_ids is not r.all_token_ids  # the prompt stays as given
