@@ -330,6 +330,8 @@ class Supervisor:
                 raise
             except Exception as e:
                 if name is not None and name == slot.current and self.is_up(name):
+                    slot.failed_at, slot.last_error = None, None
+                    self.num_replaced += replacing
                     return True  # it made it after all
                 self.num_failed_attempts += 1
                 slot.last_error = repr(e)

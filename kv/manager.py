@@ -164,24 +164,22 @@ class KVCacheManager:
             pos += k
         return out
 
-    def append_blocks(self, requests) -> list[int]:
+    def append_blocks(self, requests) -> list[KVBlock]:
         """One more block at the end of each request's table, in order, as far as the free
         blocks go: for decodes that just filled their last block, so that their next step
-        needs no allocation. Returns the new block ids, one for each request served (a prefix
-        of `requests`; the rest got nothing)."""
+        needs no allocation. Returns the new blocks, one for each request served (a prefix of
+        `requests`; the rest got nothing)."""
         pool = self.gpu_pool
         n = min(len(requests), pool.free_queue.num_free)
         if not n:
             return []
         req_blocks, req_block_ids = self.req_blocks, self.req_block_ids
-        new_ids = []
-        for request, block in zip(requests, pool.allocate(n)):
+        new_blocks = pool.allocate(n)
+        for request, block in zip(requests, new_blocks):
             rid = request.request_id
             req_blocks[rid].append(block)
-            block_id = block.block_id
-            req_block_ids[rid].append(block_id)
-            new_ids.append(block_id)
-        return new_ids
+            req_block_ids[rid].append(block.block_id)
+        return new_blocks
 
     def _new_table(self, rid: str) -> list[KVBlock]:
         blocks = self.req_blocks[rid] = []

@@ -461,15 +461,15 @@ class Scheduler:
         free leave it to schedule(), which finds one or preempts. The full blocks enter the
         prefix cache when the request frees its blocks (KVCacheManager.free, one call for all
         it filled): no prompt is likely to repeat a running request's newest output before."""
-        new_ids = self.kv.append_blocks(filled)
+        new_blocks = self.kv.append_blocks(filled)
         appended = self._appended
         bs = self.kv.block_size
-        for request, block_id in zip(filled, new_ids):
-            appended[request.request_id] = [block_id]
+        for request, block in zip(filled, new_blocks):
+            appended[request.request_id] = [block.block_id]
             # _next_decode_event of a request whose last block is full
             request.decode_event = min(request.num_computed_tokens + bs, request.max_num_tokens - 1)
-        if len(new_ids) < len(filled):
-            for request in filled[len(new_ids) :]:
+        if len(new_blocks) < len(filled):
+            for request in filled[len(new_blocks) :]:
                 request.plain_decode = False
             self._attention = {
                 r.request_id: r for r in self.running if not r.plain_decode

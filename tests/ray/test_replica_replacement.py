@@ -114,6 +114,28 @@ def test_supervisor_replaces_a_dead_replica_with_the_same_config():
     asyncio.run(run())
 
 
+def test_supervisor_counts_a_replacement_that_came_up_though_its_start_raised():
+    class LateLauncher(FakeLauncher):
+        async def start(self, handle: str, timeout_s: float) -> None:
+            await super().start(handle, timeout_s)
+            if SEP in handle:  # a replacement: it reported, then start() timed out anyway
+                raise TimeoutError("start() answered late")
+
+    async def run():
+        fl = LateLauncher()
+        sup = supervisor(fl)
+        assert await sup.ensure(10)
+        die(fl, sup, "c-r0")
+        await settle(sup)
+        name = fl.created[-1][0]
+        assert name.startswith("c-r0" + SEP) and sup.slots["c-r0"].current == name
+        stats = sup.stats()
+        assert stats["replaced"] == 1 and stats["failed_attempts"] == 0
+        assert stats["slots"]["c-r0"]["last_error"] is None and name not in fl.killed
+
+    asyncio.run(run())
+
+
 def test_supervisor_backs_off_then_gives_up_until_retry_after():
     async def run():
         now = [0.0]
@@ -218,10 +240,13 @@ def wait_until(pred, timeout_s: float, what: str, every: float = 0.1):
         time.sleep(every)
 
 
-def in_service(controller, n: int, gone: str) -> dict | None:
-    """The controller's stats once it has n replicas in service, `gone` not among them."""
+def in_service(controller, n: int, gone: str, replaced: int | None = None) -> dict | None:
+    """The controller's stats once it has n replicas in service, `gone` not among them, and
+    (with `replaced`) its supervisor has counted that many replacements: it counts one when
+    it next polls the new replica, a moment after the replica reports for service."""
     stats = ray.get(controller.stats.remote(), timeout=30)
     ok = len(stats["replicas"]) == n and gone not in stats["replicas"]
+    ok = ok and (replaced is None or stats["replica_set"]["replaced"] == replaced)
     return stats if ok and ray.get(controller.ready.remote(n), timeout=30) else None
 
 
@@ -268,10 +293,9 @@ def test_killed_replica_is_replaced_and_serves(cluster, sim_expected):
         assert r["tokens"] == sim_expected(prompt(500 + i), 80)
         assert r["items"][-1].finish_reason == "length"
 
-    stats = wait_until(lambda: in_service(cluster.controller, 3, victim), 90, "a replacement")
+    stats = wait_until(lambda: in_service(cluster.controller, 3, victim, 1), 90, "a replacement")
     (new,) = set(stats["replicas"]) - set(before)
     assert new.startswith(victim + SEP)  # same slot, a new incarnation
-    assert stats["replica_set"]["replaced"] == 1
     assert stats["replica_set"]["slots"][victim]["replica"] == new
 
     # every seat and local-queue slot of the three taken: the replacement gets its share

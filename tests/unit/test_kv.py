@@ -274,10 +274,11 @@ def test_append_blocks_takes_the_head_in_order_evicts_and_serves_a_prefix_when_s
     kv.gpu_pool.cache(kv.req_blocks["a"][0], h, [1, 2])
     kv.free(a)  # block 0: cached, at the tail behind the never-used 3, 4, 5
     assert kv.allocate_slots(d, 2) == [3]
-    assert kv.append_blocks([b, c]) == [4, 5]
+    assert [blk.block_id for blk in kv.append_blocks([b, c])] == [4, 5]
     assert kv.block_ids("b") == [1, 4] and kv.block_ids("c") == [2, 5]
     assert kv.gpu_pool.lookup(h, [1, 2]) is kv.gpu_pool.blocks[0]  # not taken yet
-    assert kv.append_blocks([d, b, c]) == [0]  # one free block: d only, b and c get nothing
+    # one free block: d only, b and c get none
+    assert [blk.block_id for blk in kv.append_blocks([d, b, c])] == [0]
     assert kv.block_ids("d") == [3, 0] and kv.block_ids("b") == [1, 4]
     block = kv.gpu_pool.blocks[0]
     assert block.ref_cnt == 1 and block.block_hash is None and block.token_bytes is None
