@@ -211,10 +211,9 @@ class KVCacheManager:
         if num_full <= start:
             return
         hashes, packed = self._chain(rid)
-        if len(hashes) < num_full:
-            self.gpu_pool.extend_chain(
-                request.all_token_ids, hashes, packed, num_full, request.cache_salt
-            )
+        self.gpu_pool.extend_chain(
+            request.all_token_ids, hashes, packed, num_full, request.cache_salt
+        )
         self.gpu_pool.register(self.req_blocks[rid], hashes, packed, start, num_full)
         self.num_cached[rid] = num_full
 

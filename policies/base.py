@@ -339,12 +339,8 @@ class Policy:
         settled = self._settled.get(tenant)
         if settled is None:
             return 0.0
-        steps = self._decode_steps
-        if settled != steps:  # _settle, inline: a pick re-keys ~3 tenants, each read here
-            self._settled[tenant] = steps
-            rate = self._rates.get(tenant)
-            if rate:
-                self._add(tenant, 0, rate * (steps - settled))
+        if settled != self._decode_steps:
+            self._settle(tenant)
         return self._counters[tenant]
 
     def _consume(self, tenant: str, tokens: int) -> None:
