@@ -306,5 +306,9 @@ class BlockPool:
         for block in self.blocks:
             if block.block_hash is not None:
                 assert self.cached.get(block.block_hash) is block, f"{block} hash not indexed"
-        free, cached, used = self.counts()
-        assert free + cached + used == self.num_blocks, "free + cached + in use != total"
+        # counted independently of counts() (which derives "in use" from the free count)
+        in_use = sum(1 for b in self.blocks if b.ref_cnt > 0)
+        cached_free = sum(1 for b in on_list if b.block_hash is not None)
+        assert len(on_list) + in_use == self.num_blocks, "free + cached + in use != total"
+        free = len(on_list) - cached_free
+        assert self.counts() == (free, cached_free, in_use), "counts() disagrees with the blocks"

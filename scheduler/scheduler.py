@@ -5,9 +5,10 @@ Each step walks three queues in a fixed order:
                 when blocks run out, the policy picks a victim among the requests not yet
                 scheduled this step, which is swapped out or dropped for recompute.
   2. swapped  - if nobody was preempted this step, swapped requests come back in policy order.
-  3. waiting  - likewise, new and recompute-preempted requests are admitted in policy order; a
-                waiting request of strictly higher priority preempts a lower one when seats
-                (max_num_seqs) or blocks are what is short.
+  3. waiting  - likewise, new and recompute-preempted requests are admitted in policy order,
+                but none that a swapped request still out precedes in that order (swapped work
+                is not starved by new work); a waiting request of strictly higher priority
+                preempts a lower one when seats (max_num_seqs) or blocks are what is short.
 Step 1 before 2 and 3 means a running request is never starved by admissions; stopping 2 and 3
 after a preemption keeps a step from freeing blocks and handing them straight back (thrash) and
 keeps a freed GPU block from being both a swap-out source and a swap-in target in one step.
@@ -254,6 +255,9 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         policy = self.policy
+        # A swapped request still out (it found too few blocks or seats) is not overtaken by
+        # a waiting one it precedes in policy order: new work must not starve swapped work.
+        first_swapped = policy.rank(self.swapped[0]) if self.swapped else None
         request = None  # once chosen, a request keeps its turn while room is made for it
         while budget > 0:
             if len(self.running) >= self.config.max_num_seqs and (
@@ -266,6 +270,8 @@ class Scheduler:
                     return
                 if request.request_id in out.preempted_recompute:
                     return  # a victim of this step waits for the next one (no ping-pong)
+                if first_swapped is not None and not policy.rank(request) < first_swapped:
+                    return  # the swapped request goes first
             if len(self.running) >= self.config.max_num_seqs:
                 if not self._preempt_lower(request, out):
                     return
@@ -341,10 +347,10 @@ class Scheduler:
         return True
 
     def _preempt(self, victim: Request, out: SchedulerOutput, mode: str | None = None) -> None:
+        mode = mode or self._preemption_mode(victim)
         self._stop_running(victim)
         out.new_block_ids.pop(victim.request_id, None)  # given back, or swapped out
         victim.num_preemptions += 1
-        mode = mode or self._preemption_mode(victim)
         if mode == "swap":
             mapping = self.kv.swap_out(victim)
             out.swap_out.extend(mapping)
@@ -535,9 +541,17 @@ class Scheduler:
     def preempt(self, request_id: str, mode: str = "auto") -> SchedulerOutput | None:
         """Preempt a running request between steps. Returns the swap-out copies to issue
         (an output with no scheduled requests), or None if it is not running."""
+        if mode not in ("auto", "swap", "recompute"):
+            raise ValueError(f"mode must be 'auto', 'swap' or 'recompute', got {mode!r}")
         request = self.requests.get(request_id)
         if request is None or request.status != RequestStatus.RUNNING:
             return None
+        if mode == "swap" and not self.kv.can_swap_out(request):
+            num_blocks = len(self.kv.block_ids(request_id))
+            raise ValueError(
+                f"no CPU swap space for {request_id!r}: it holds {num_blocks} blocks, "
+                f"{self.kv.cpu_pool.num_free_blocks if self.kv.num_cpu_blocks else 0} are free"
+            )
         out = SchedulerOutput()
         self._preempt(request, out, None if mode == "auto" else mode)
         return out
@@ -599,6 +613,7 @@ class Scheduler:
         self.kv.check_integrity()
         n = len(self.running) + len(self.swapped) + len(self.policy)
         assert n == len(self.requests), "a request is in no queue, or in two"
+        assert len(self.running) <= self.config.max_num_seqs, "more running than seats"
         for r in self.running:
             assert r.status == RequestStatus.RUNNING
         assert list(self._running_ids) == [r.request_id for r in self.running]

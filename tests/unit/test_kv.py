@@ -221,6 +221,67 @@ def test_export_import_swapped():
     kv.check_integrity()
 
 
+def test_a_block_shared_by_two_live_requests_is_freed_by_the_last_one():
+    kv = KVCacheManager(num_gpu_blocks=6, block_size=4)
+    r1 = make_req("r1", list(range(10)))  # blocks 0, 1 full; 2 partial
+    assert kv.allocate_slots(r1, 10) == [0, 1, 2]
+    r1.num_computed_tokens = 10
+    kv.cache_computed_blocks(r1)
+    r2 = make_req("r2", list(range(8)) + [50, 51])  # same two full blocks, own tail
+    hits, n = kv.get_computed_blocks(r2)
+    assert [b.block_id for b in hits] == [0, 1] and n == 8
+    assert kv.allocate_slots(r2, 2, hits) == [3]
+    pool = kv.gpu_pool
+    assert [pool.blocks[i].ref_cnt for i in range(6)] == [2, 2, 1, 1, 0, 0]
+    kv.check_integrity()
+
+    kv.free(r1)  # the shared blocks stay with r2: only r1's own tail is released
+    assert [pool.blocks[i].ref_cnt for i in range(6)] == [1, 1, 0, 1, 0, 0]
+    assert free_order(pool) == [4, 5, 2]
+    assert kv.block_ids("r2") == [0, 1, 3]
+    kv.check_integrity()
+
+    kv.free(r2)  # now they are free, tail first, and still cached
+    assert free_order(pool) == [4, 5, 2, 3, 1, 0]
+    assert pool.counts() == (4, 2, 0)
+    assert [b.block_id for b in kv.get_computed_blocks(make_req("r3", list(range(9))))[0]] == [
+        0,
+        1,
+    ]
+    kv.check_integrity()
+
+
+def test_pool_integrity_catches_a_lost_or_doubly_held_block():
+    pool = BlockPool(4, 2)
+    (blk,) = pool.allocate(1)
+    blk.ref_cnt = 0  # a free that forgot the free list: unreferenced, on no list
+    with pytest.raises(AssertionError, match="unreferenced but not free"):
+        pool.check_integrity()
+
+    pool = BlockPool(4, 2)
+    free_blk = pool.blocks[3]
+    free_blk.ref_cnt = 1  # referenced while still on the free list
+    with pytest.raises(AssertionError, match="referenced and on the list"):
+        pool.check_integrity()
+
+    pool = BlockPool(4, 2)
+    pool.free_queue.num_free += 1  # the count drifts from the list
+    with pytest.raises(AssertionError, match="free count"):
+        pool.check_integrity()
+
+
+def test_manager_integrity_checks_the_swap_pool_too():
+    kv = KVCacheManager(num_gpu_blocks=4, block_size=2, num_cpu_blocks=4)
+    r = make_req("r", [1, 2, 3])
+    kv.allocate_slots(r, 3)
+    r.num_computed_tokens = 3
+    kv.swap_out(r)
+    kv.check_integrity()
+    kv.cpu_pool.blocks[0].ref_cnt = 0  # the swap pool loses a block its request still holds
+    with pytest.raises(AssertionError):
+        kv.check_integrity()
+
+
 def test_integrity_catches_leak():
     kv = KVCacheManager(num_gpu_blocks=4, block_size=2)
     r = make_req("r", [1, 2, 3])

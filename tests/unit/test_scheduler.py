@@ -205,6 +205,120 @@ def test_swap_preemption_maps_and_resume():
     assert got["b"] == reference_tokens([2] * 6, 6)
 
 
+def test_swapped_requests_come_back_in_policy_order_before_admissions():
+    sched = make_sched(num_blocks=16, block_size=4, cpu_blocks=16)
+    runner = FakeRunner(VOCAB)
+    prompts = {"a": [1] * 4, "b": [2] * 4, "c": [3] * 4, "d": [4] * 4}
+    got: dict[str, list[int]] = {}
+    for rid in "abc":
+        sched.add_request(Request(rid, prompts[rid], max_tokens=8))
+    _, up = step(sched, runner)  # each fills its prompt block and takes the next at once
+    for u in up:
+        got.setdefault(u.request_id, []).extend(u.new_token_ids)
+    assert sched.kv.req_block_ids == {"a": [0, 3], "b": [1, 4], "c": [2, 5]}
+    assert sched.preempt("b", "swap").swap_out == [(1, 0), (4, 1)]
+    assert sched.preempt("a", "swap").swap_out == [(0, 2), (3, 3)]
+    assert [r.request_id for r in sched.swapped] == ["b", "a"]  # swapped in the other order
+    sched.add_request(Request("d", prompts["d"], max_tokens=8))
+    out, up = step(sched, runner)
+    for u in up:
+        got.setdefault(u.request_id, []).extend(u.new_token_ids)
+    # fcfs order (a before b), both before the new arrival; GPU blocks from the free list's
+    # head (6..15 never used, then the blocks b and a gave back)
+    assert [r.request_id for r in out.scheduled] == ["c", "a", "b", "d"]
+    assert out.swap_in == [(2, 6), (3, 7), (0, 8), (1, 9)]
+    assert sched.kv.req_block_ids == {"c": [2, 5], "a": [6, 7], "b": [8, 9], "d": [10, 11]}
+    for rid, tokens in run_to_end(sched, runner).items():
+        got.setdefault(rid, []).extend(tokens)
+    assert got == {rid: reference_tokens(p, 8) for rid, p in prompts.items()}
+
+
+@pytest.mark.parametrize("policy, d_priority, d_runs_at", [("fcfs", 0, 12), ("priority", 2, 10)])
+def test_a_swapped_request_that_cannot_come_back_is_not_overtaken(policy, d_priority, d_runs_at):
+    """c is swapped out at step 9 and can come back only when a finishes (step 11). d, added
+    then, needs one of the two free blocks: under fcfs it waits for c (c precedes it), under
+    `priority` it is of a higher class and runs at once."""
+    sched = make_sched(
+        num_blocks=6, block_size=4, cpu_blocks=8, preemption_mode="swap", policy=policy
+    )
+    runner = FakeRunner(VOCAB)
+    sched.add_request(Request("a", [1] * 4, max_tokens=12))
+    sched.add_request(Request("c", [3] * 4, max_tokens=12))
+    got: dict[str, list[int]] = {}
+    first_step: dict[str, int] = {}
+    for i in range(40):
+        if not sched.has_unfinished:
+            break
+        out, up = step(sched, runner)
+        for r in out.scheduled:
+            first_step.setdefault(r.request_id, i)
+        if out.swap_in:
+            first_step.setdefault("c back", i)
+        for u in up:
+            got.setdefault(u.request_id, []).extend(u.new_token_ids)
+        if i == 9:
+            assert out.preempted_swap == ["c"] and sched.kv.num_free_blocks == 2
+            sched.add_request(Request("d", [4] * 2, max_tokens=1, priority=d_priority))
+        sched.check_integrity()
+    assert first_step["c back"] == 12 and first_step["d"] == d_runs_at
+    assert got == {
+        "a": reference_tokens([1] * 4, 12),
+        "c": reference_tokens([3] * 4, 12),
+        "d": reference_tokens([4] * 2, 1),
+    }
+
+
+def test_forced_swap_falls_back_to_recompute_without_cpu_space():
+    # As test_recompute_preemption_when_blocks_run_out, but swap is forced and the one CPU
+    # block cannot hold a victim's two or three blocks.
+    sched = make_sched(num_blocks=4, block_size=4, cpu_blocks=1, preemption_mode="swap")
+    runner = FakeRunner(VOCAB)
+    sched.add_request(Request("a", [1] * 6, max_tokens=6))
+    sched.add_request(Request("b", [2] * 6, max_tokens=6))
+    got = run_to_end(sched, runner)
+    assert sched.num_preemptions["swap"] == 0 and sched.num_preemptions["recompute"] >= 1
+    assert got == {"a": reference_tokens([1] * 6, 6), "b": reference_tokens([2] * 6, 6)}
+    # auto mode too: the cost model would swap (fast link, slow prefill), the space says no
+    s = make_sched(cpu_blocks=1, swap_bandwidth=1e12, prefill_tokens_per_s=10)
+    r = Request("r", [1] * 8, max_tokens=4)
+    s.add_request(r)
+    step(s, FakeRunner(VOCAB))
+    assert len(s.kv.block_ids("r")) == 3 and s._preemption_mode(r) == "recompute"
+
+
+def test_preempt_hook_refuses_a_swap_without_cpu_space_and_changes_nothing():
+    sched = make_sched(num_blocks=16, block_size=4, cpu_blocks=2)
+    runner = FakeRunner(VOCAB)
+    sched.add_request(Request("a", [1] * 10, max_tokens=6))
+    _, up = step(sched, runner)
+    got = list(up.new_tokens.values())
+    with pytest.raises(ValueError, match="no CPU swap space for 'a': it holds 3 blocks, 2 are"):
+        sched.preempt("a", "swap")
+    with pytest.raises(ValueError, match="mode must be"):
+        sched.preempt("a", "later")
+    assert sched.requests["a"].status == RequestStatus.RUNNING
+    assert sched.kv.block_ids("a") == [0, 1, 2]
+    sched.check_integrity()
+    got += run_to_end(sched, runner)["a"]
+    assert got == reference_tokens([1] * 10, 6)
+    assert sched.preempt("a", "swap") is None  # finished: nothing to preempt
+
+
+def test_set_tenant_counters_reorders_admissions():
+    def admitted_first(counters: dict[str, float] | None) -> str:
+        sched = make_sched(policy="weighted_fair", max_num_seqs=1)
+        sched.add_request(Request("a1", [1] * 4, max_tokens=2, tenant="a"))
+        sched.add_request(Request("b1", [2] * 4, max_tokens=2, tenant="b"))
+        if counters is not None:
+            sched.set_tenant_counters(counters)
+            assert {t: sched.policy.counters()[t] for t in counters} == counters
+        return step(sched, FakeRunner(VOCAB))[0].scheduled[0].request_id
+
+    assert admitted_first(None) == "a1"  # equal counters: the earlier arrival
+    assert admitted_first({"a": 100.0}) == "b1"  # a is over-served by the cluster's count
+    assert admitted_first({"a": 100.0, "b": 200.0}) == "a1"
+
+
 def test_auto_mode_prefers_recompute_for_short_and_swap_for_long():
     # Cheap recompute: tiny context, slow link.
     s1 = make_sched(cpu_blocks=8, swap_bandwidth=1e3, prefill_tokens_per_s=1e6)
@@ -380,6 +494,14 @@ def test_random_operations_keep_invariants(ops, policy, mode, budget, seats, cac
             if u.finished:
                 finished[u.request_id] = u.finish_reason
 
+    def checked_step():
+        out, updates = step(sched, runner)
+        assert out.total_num_scheduled_tokens == sum(out.num_scheduled_tokens.values())
+        assert out.total_num_scheduled_tokens <= budget, "over the token budget"
+        assert len(out.scheduled) == len(out.num_scheduled_tokens) <= seats
+        assert all(n > 0 for n in out.num_scheduled_tokens.values())
+        return updates
+
     for op in ops:
         if op[0] == "add":
             _, plen, max_tokens, tenant, prio, stop_at = op
@@ -402,18 +524,18 @@ def test_random_operations_keep_invariants(ops, policy, mode, budget, seats, cac
             )
             expected[rid] = (prompt, max_tokens, stop)
         elif op[0] == "step":
-            collect(step(sched, runner)[1])
+            collect(checked_step())
         elif op[0] == "abort":
             rid = f"r{op[1]}"
             if sched.abort(rid):
                 aborted.add(rid)
         else:
-            sched.preempt(f"r{op[1]}", op[2])
+            preempt_or_refuse(sched, f"r{op[1]}", op[2])
         sched.check_integrity()
     for _ in range(2000):
         if not sched.has_unfinished:
             break
-        collect(step(sched, runner)[1])
+        collect(checked_step())
         sched.check_integrity()
     assert not sched.has_unfinished, "a request never finished"
     assert sched.kv.all_free()
@@ -423,6 +545,21 @@ def test_random_operations_keep_invariants(ops, policy, mode, budget, seats, cac
         limit = min(max_tokens, 40 - len(prompt))
         assert got[rid] == reference_tokens(prompt, limit, stop), rid
         assert finished[rid] == ("stop" if got[rid][-1] in stop else "length"), rid
+
+
+def preempt_or_refuse(sched: Scheduler, rid: str, mode: str):
+    """sched.preempt(rid, mode); a swap with too little CPU space must be refused with a
+    ValueError that changes nothing."""
+    request = sched.requests.get(rid)
+    running = request is not None and request.status == RequestStatus.RUNNING
+    if mode == "swap" and running and not sched.kv.can_swap_out(request):
+        before = (list(sched.running), dict(sched.kv.req_block_ids), sched.kv.num_free_blocks)
+        with pytest.raises(ValueError, match="no CPU swap space"):
+            sched.preempt(rid, mode)
+        after = (list(sched.running), dict(sched.kv.req_block_ids), sched.kv.num_free_blocks)
+        assert after == before and request.status == RequestStatus.RUNNING
+        return None
+    return sched.preempt(rid, mode)
 
 
 def _in_order_only(sched: Scheduler) -> Scheduler:
@@ -526,7 +663,7 @@ def test_all_running_shortcut_equals_the_in_order_walk(
         elif op[0] == "abort":
             assert fast.abort(f"r{op[1]}") == slow.abort(f"r{op[1]}")
         else:
-            outs = [sched.preempt(f"r{op[1]}", op[2]) for sched in (fast, slow)]
+            outs = [preempt_or_refuse(sched, f"r{op[1]}", op[2]) for sched in (fast, slow)]
             assert (outs[0] is None) == (outs[1] is None)
             if outs[0] is not None:
                 assert _output_fields(outs[0]) == _output_fields(outs[1])
