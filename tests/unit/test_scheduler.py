@@ -718,16 +718,23 @@ def _service_run(policy: str, steps: int, weights=(3.0, 1.0), arrivals=(1, 1)):
     return history, sched.policy.service(), sched
 
 
-def vtc_bound(sched: Scheduler, w_in=1.0, w_out=2.0, max_input=32, min_weight=1.0) -> float:
+def vtc_bound(
+    sched: Scheduler, w_in=1.0, w_out=2.0, max_input=32, max_len=64, min_weight=1.0
+) -> float:
     """VTC (Sheng et al., OSDI'24, Thm. 4.4): two backlogged clients' counters differ by at
-    most 2*max(w_in*L_input, w_out*M), M the most tokens the batch holds (here the pool)."""
-    m = sched.kv.gpu_pool.num_blocks * sched.kv.block_size
+    most 2*max(w_in*L_input, w_out*M), M the most tokens a running batch holds: the KV pool,
+    or less when every seat (max_num_seqs) holds a request of the longest length (`max_len`,
+    prompt + output). Counters are service / weight, so the bound is divided by the smallest
+    weight."""
+    pool = sched.kv.gpu_pool.num_blocks * sched.kv.block_size
+    m = min(pool, sched.config.max_num_seqs * max_len)
     return 2 * max(w_in * max_input, w_out * m) / min_weight
 
 
 def test_weighted_fair_stays_within_vtc_bound_and_weights():
     history, service, sched = _service_run("weighted_fair", 3000)
     bound = vtc_bound(sched)
+    assert bound == 2 * 2.0 * 8 * 64  # the seats bind here: 8 x 64 tokens < the pool's 1,024
     worst = max(abs(c.get("a", 0) - c.get("b", 0)) for c in history)
     assert worst <= bound, (worst, bound)
     ratio = service["a"] / service["b"]
