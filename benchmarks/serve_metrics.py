@@ -364,7 +364,9 @@ def summarize_run(
     (with `slo`: keys among ttft_s, tpot_s, e2e_s), "tenants" (tenant_report), "jain_index"
     over the tenants' normalized service (None without tenants), "max_service_difference" and
     "vtc_bound" (for the run's longest prompt, and `max_batch_tokens` or else its longest
-    output), and "server" (server_delta; {} when stats are missing)."""
+    output) with "vtc_bound_m" saying which ("batch" or "longest output": then the bound is a
+    lower estimate, since a batch holds more tokens than one output), and "server"
+    (server_delta; {} when stats are missing)."""
     if slo is not None and set(slo) - set(SLO_KEYS):
         raise ValueError(f"unknown SLO keys {sorted(set(slo) - set(SLO_KEYS))}; use {SLO_KEYS}")
     tenants = tenant_report(results, weights, duration_s)
@@ -381,6 +383,7 @@ def summarize_run(
         else None,
         "max_service_difference": max_service_difference(results, weights, step_s=step_s),
         "vtc_bound": vtc_bound(max_prompt, max_batch_tokens or max_output),
+        "vtc_bound_m": "batch" if max_batch_tokens else "longest output",
         "server": server_delta(server_before, server_after),
     }
     if slo is not None:

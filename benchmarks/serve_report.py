@@ -87,11 +87,18 @@ def server_line(summary: dict) -> str:
 
 def fairness_line(summary: dict) -> str:
     jain = summary.get("jain_index")
+    # M in the bound is the tokens a running batch holds; a remote server's is unknown, and
+    # the longest output stands in for it (a lower estimate of the bound)
+    estimate = (
+        ", M = the longest output: a lower estimate"
+        if summary.get("vtc_bound_m") == "longest output"
+        else ""
+    )
     return (
         f"whole run: Jain's index (service/weight) {'-' if jain is None else f'{jain:.4f}'}; "
         f"max weighted service difference between backlogged tenants: "
         f"{num(summary.get('max_service_difference'), 0)} (VTC bound "
-        f"{num(summary.get('vtc_bound'), 0)})"
+        f"{num(summary.get('vtc_bound'), 0)}{estimate})"
     )
 
 

@@ -23,6 +23,7 @@ from fairbatch.benchmarks.serve_metrics import (
     throughput,
     vtc_bound,
 )
+from fairbatch.benchmarks.serve_report import fairness_line
 from fairbatch.benchmarks.serve_types import RequestResult, RequestSpec
 
 
@@ -358,6 +359,12 @@ def test_summarize_run_is_json_ready():
     assert run["jain_index"] == pytest.approx(21**2 / (2 * (10**2 + 11**2)))
     assert run["max_service_difference"] == 5.0
     assert run["vtc_bound"] == 2 * max(4, 2 * 4)  # longest prompt 4, longest output 4
+    assert run["vtc_bound_m"] == "longest output"
+    line = fairness_line(run)
+    assert line.endswith("(VTC bound 16, M = the longest output: a lower estimate)"), line
+    known = summarize_run(rs, duration_s=4.0, weights={"a": 1.0, "b": 1.0}, max_batch_tokens=64)
+    assert known["vtc_bound"] == 2 * 2 * 64 and known["vtc_bound_m"] == "batch"
+    assert fairness_line(known).endswith("(VTC bound 256)")
     assert run["server"]["engine"]["prefix_hit_tokens"] == 100
 
 
