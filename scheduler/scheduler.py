@@ -540,7 +540,9 @@ class Scheduler:
 
     def preempt(self, request_id: str, mode: str = "auto") -> SchedulerOutput | None:
         """Preempt a running request between steps. Returns the swap-out copies to issue
-        (an output with no scheduled requests), or None if it is not running."""
+        (an output with no scheduled requests), or None if it is not running. Raises
+        ValueError, changing nothing, for an unknown mode or for "swap" when the CPU swap
+        space cannot hold the request ("auto" picks recompute then)."""
         if mode not in ("auto", "swap", "recompute"):
             raise ValueError(f"mode must be 'auto', 'swap' or 'recompute', got {mode!r}")
         request = self.requests.get(request_id)
