@@ -36,8 +36,14 @@ import random
 import time
 from dataclasses import dataclass
 
-from fairbatch.deployments.fairness import Assign, ControllerConfig, FairnessCore, Migrate, Preempt
-from fairbatch.deployments.types import ReplicaReport, RequestMeta
+from fairbatch.deployments.cluster.fairness import (
+    Assign,
+    ControllerConfig,
+    FairnessCore,
+    Migrate,
+    Preempt,
+)
+from fairbatch.deployments.cluster.wire import ReplicaReport, RequestMeta
 from fairbatch.engine import gpu_profiles
 from fairbatch.engine.core import EngineCore
 from fairbatch.engine.sampling_params import SamplingParams
@@ -271,9 +277,9 @@ def ray_admissions(num_replicas: int = 4, sizes: tuple[int, ...] = (1000, 4000))
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     import ray
 
-    from fairbatch.deployments.client import AdmissionBatcher
-    from fairbatch.deployments.cluster import start_cluster
-    from fairbatch.deployments.replica import ReplicaConfig
+    from fairbatch.deployments.cluster.client import AdmissionBatcher
+    from fairbatch.deployments.cluster.launch import start_cluster
+    from fairbatch.deployments.cluster.replica import ReplicaConfig
 
     tmp = tempfile.mkdtemp(prefix="fbbench-")
     ray.init(

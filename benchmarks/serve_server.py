@@ -54,8 +54,8 @@ def _watch_parent(parent_pid: int) -> None:
 async def serve(config_path: str, host: str, port: int, port_file: str | None) -> None:
     import uvicorn
 
-    from fairbatch.deployments.config import load_config
-    from fairbatch.deployments.openai_api import LocalBackend, create_app
+    from fairbatch.deployments.api.backend import LocalBackend, create_app
+    from fairbatch.deployments.api.config import load_config
 
     config = load_config(config_path)
     backend = LocalBackend.build(config.model, **config.engine)
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.parent_pid:
         _watch_parent(args.parent_pid)
-    from fairbatch.deployments.config import ConfigError
+    from fairbatch.deployments.api.config import ConfigError
 
     try:
         asyncio.run(serve(args.config, args.host, args.port, args.port_file))

@@ -260,7 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
     clu.set_defaults(func=_bench_cluster)
     _add_bench_serve(bench_sub)
 
-    from fairbatch.deployments import serve_cli  # stdlib-only at import: start-up stays fast
+    from fairbatch.deployments.serve import (
+        cli as serve_cli,  # stdlib-only at import: start-up stays fast
+    )
 
     serve_cli.add_parser(sub)
     return parser

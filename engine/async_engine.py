@@ -2,7 +2,10 @@
 
 Every touch of the EngineCore (steps, adds, aborts, controller hooks) runs on one dedicated
 thread, so the core needs no locks and the event loop stays free while a forward runs.
-The Ray replica wraps this.
+
+Two ways out: `generate`/`resume` give one async stream per request (a local server), or a
+`sink` gets every step's deltas of the requests added with `add` as one list (the Ray replica,
+which sends each consumer one message per step, not one per token per request).
 """
 
 from __future__ import annotations
@@ -23,8 +26,16 @@ class EngineDeadError(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, engine: EngineCore, step_hook: Callable[[], Any] | None = None) -> None:
+    def __init__(
+        self,
+        engine: EngineCore,
+        step_hook: Callable[[], Any] | None = None,
+        sink: Callable[[list[RequestDelta] | BaseException], Any] | None = None,
+    ) -> None:
         self.engine = engine
+        # called on the event loop with each step's deltas of requests added by `add` (not
+        # streamed by `generate`), or once with the exception that stopped the loop
+        self._sink = sink
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine")
         self._streams: dict[str, asyncio.Queue] = {}
         self._wake: asyncio.Event | None = None
@@ -79,6 +90,16 @@ class AsyncEngine:
         async for delta in self._stream(migrated.request.request_id, add):
             yield delta
 
+    async def add(self, add: Callable[[], Any]) -> None:
+        """Run `add` (an EngineCore add/import) on the engine thread; the request's deltas go
+        to the sink. Raises what `add` raises (ValueError for a bad request)."""
+        self._ensure_started()
+        if self._error is not None:
+            raise EngineDeadError(str(self._error))
+        await self.call(add)
+        assert self._wake is not None
+        self._wake.set()
+
     async def _stream(self, rid: str, add: Callable[[], Any]) -> AsyncIterator[RequestDelta]:
         if rid in self._streams:
             raise ValueError(f"duplicate request id {rid!r}")
@@ -131,10 +152,15 @@ class AsyncEngine:
                     self._wake.clear()
                     await self._wake.wait()
                     continue
+                rest: list[RequestDelta] = []
                 for delta in await self.call(self._step):
                     queue = self._streams.get(delta.request_id)
                     if queue is not None:
                         queue.put_nowait(delta)
+                    else:
+                        rest.append(delta)
+                if rest and self._sink is not None:
+                    self._sink(rest)
                 await asyncio.sleep(0)  # let streams and new requests in between steps
         except asyncio.CancelledError:
             raise
@@ -142,4 +168,6 @@ class AsyncEngine:
             self._error = e
             for queue in self._streams.values():
                 queue.put_nowait(e)
+            if self._sink is not None:
+                self._sink(e)
             raise

@@ -13,10 +13,10 @@ import time
 
 import httpx
 import pytest
+from loopback import ServerLoop
 
-from fairbatch.deployments.api_testing import ServerLoop
-from fairbatch.deployments.openai_api import bind_backend, create_app
-from fairbatch.deployments.types import StreamItem
+from fairbatch.deployments.api.backend import bind_backend, create_app
+from fairbatch.deployments.cluster.wire import StreamItem
 from fairbatch.engine.tokenizer import Tokenizer
 
 MODEL = "fairbatch-tiny"

@@ -12,9 +12,9 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from loopback import ServerLoop
 
-from fairbatch.deployments.api_testing import ServerLoop
-from fairbatch.deployments.openai_api import LocalBackend, create_app
+from fairbatch.deployments.api.backend import LocalBackend, create_app
 from fairbatch.engine.llm import build_engine
 
 MODEL = "fairbatch-tiny"

@@ -16,9 +16,9 @@ import time
 import httpx
 import openai
 import pytest
+from loopback import ServerLoop
 
-from fairbatch.deployments.api_testing import ServerLoop
-from fairbatch.deployments.openai_api import LocalBackend, create_app
+from fairbatch.deployments.api.backend import LocalBackend, create_app
 from fairbatch.engine.llm import build_engine
 
 MODEL = "fairbatch-tiny"

@@ -18,13 +18,13 @@ import struct
 from pathlib import Path
 
 import pytest
+from loopback import free_port
 
 from fairbatch.benchmarks.serve_bench import ADMIN_KEY, local_config, tenant_key
 from fairbatch.benchmarks.serve_client import get_stats, run_requests
 from fairbatch.benchmarks.serve_server import LocalServer
 from fairbatch.benchmarks.serve_workload import TenantPlan, build_workload, parse_lengths
 from fairbatch.deployments import cli
-from fairbatch.deployments.api_testing import free_port
 from fairbatch.engine.tokenizer import Tokenizer
 
 MODEL = "fairbatch-tiny"

@@ -13,8 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-
-from fairbatch.deployments.api_testing import free_port
+from loopback import free_port
 
 openai = pytest.importorskip("openai")
 

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from fairbatch.deployments.fairness import (
+from fairbatch.deployments.cluster.fairness import (
     Assign,
     ControllerConfig,
     FairnessCore,
     Migrate,
     Preempt,
 )
-from fairbatch.deployments.types import ReplicaReport, RequestMeta
+from fairbatch.deployments.cluster.wire import ReplicaReport, RequestMeta
 from fairbatch.engine.sampling_params import SamplingParams
 from fairbatch.policies import TenantSpec
 

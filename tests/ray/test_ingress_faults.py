@@ -28,10 +28,10 @@ import httpx
 import pytest
 
 ray = pytest.importorskip("ray")
+from loopback import free_port, run_serve_app, wait_for  # noqa: E402
 from ray import serve  # noqa: E402
 
-from fairbatch.deployments.api_testing import free_port, run_serve_app, wait_for  # noqa: E402
-from fairbatch.deployments.serve_cluster import NAMESPACE  # noqa: E402
+from fairbatch.deployments.cluster.launch import NAMESPACE  # noqa: E402
 from fairbatch.engine.tokenizer import Tokenizer  # noqa: E402
 
 KEYS = {"a": "sk-ing-a", "b": "sk-ing-b", "c": "sk-ing-c"}

@@ -35,11 +35,11 @@ import pytest
 openai = pytest.importorskip("openai")
 ray = pytest.importorskip("ray")
 psutil = pytest.importorskip("psutil")  # Ray ships it (ray/thirdparty_files, on sys.path now)
+from loopback import free_port, run_serve_app, wait_for  # noqa: E402
 from ray import serve  # noqa: E402
 from ray.exceptions import GetTimeoutError, RayActorError  # noqa: E402
 
-from fairbatch.deployments.api_testing import free_port, run_serve_app, wait_for  # noqa: E402
-from fairbatch.deployments.serve_cluster import NAMESPACE  # noqa: E402
+from fairbatch.deployments.cluster.launch import NAMESPACE  # noqa: E402
 from fairbatch.engine.tokenizer import Tokenizer  # noqa: E402
 
 KEYS = {"a": "sk-rel-a", "b": "sk-rel-b"}

@@ -16,11 +16,11 @@ import time
 import pytest
 import ray
 
-from fairbatch.deployments.client import ClusterClient, collect
-from fairbatch.deployments.cluster import start_cluster
-from fairbatch.deployments.fairness import ControllerConfig
-from fairbatch.deployments.replica import ReplicaConfig
-from fairbatch.deployments.replica_set import SEP, ReplicaSet, ReplicaSpec, Supervisor
+from fairbatch.deployments.cluster.client import ClusterClient, collect
+from fairbatch.deployments.cluster.fairness import ControllerConfig
+from fairbatch.deployments.cluster.launch import start_cluster
+from fairbatch.deployments.cluster.replica import ReplicaConfig
+from fairbatch.deployments.cluster.replica_set import SEP, ReplicaSet, ReplicaSpec, Supervisor
 from fairbatch.engine.sampling_params import SamplingParams
 from fairbatch.policies import TenantSpec
 
@@ -211,7 +211,6 @@ def sim_config() -> ReplicaConfig:
         max_num_batched_tokens=256,
         tenants=TENANTS,
         time_scale=1.0,
-        stream_batch=4,
     )
 
 
@@ -320,7 +319,7 @@ def test_serve_path_replaces_with_a_cluster_replica(ray_session, sim_expected, r
     """`ensure_cluster` without Serve: the replacement is a `ClusterReplica` (its sim replica
     has the tiny tokenizer, so items carry text), a second `ensure_cluster` creates nothing,
     and after the last ingress detaches and `kill_cluster` no actor of it is left."""
-    from fairbatch.deployments.serve_cluster import ClusterSpec, ensure_cluster, kill_cluster
+    from fairbatch.deployments.cluster.launch import ClusterSpec, ensure_cluster, kill_cluster
 
     spec = ClusterSpec(
         "fbrepl",

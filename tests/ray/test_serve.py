@@ -21,16 +21,16 @@ import yaml
 
 openai = pytest.importorskip("openai")
 ray = pytest.importorskip("ray")
-from ray import serve  # noqa: E402
-
-from fairbatch.deployments.api_testing import (  # noqa: E402
+from loopback import (  # noqa: E402
     free_port,
     wait_app_running,
     wait_for,
     wait_healthy,
 )
-from fairbatch.deployments.app import ConfigError, parse_app_args, read_args_file  # noqa: E402
-from fairbatch.deployments.handle_api import HandleRejected  # noqa: E402
+from ray import serve  # noqa: E402
+
+from fairbatch.deployments.serve.app import ConfigError, parse_app_args, read_args_file  # noqa: E402
+from fairbatch.deployments.serve.handle_api import HandleRejected  # noqa: E402
 from fairbatch.engine.tokenizer import Tokenizer  # noqa: E402
 
 # A loaded 2-core box can take longer than Ray's 30 s to start the metrics agent.
@@ -90,7 +90,7 @@ def served(tmp_path_factory):
             {
                 "name": "fairbatch",
                 "route_prefix": "/",
-                "import_path": "fairbatch.deployments.app:build_app",
+                "import_path": "fairbatch.deployments.serve.app:build_app",
                 "args": app_args(),
             }
         ],

@@ -16,10 +16,10 @@ import time
 import pytest
 import ray
 
-from fairbatch.deployments.client import ClusterClient, collect
-from fairbatch.deployments.cluster import start_cluster
-from fairbatch.deployments.fairness import ControllerConfig
-from fairbatch.deployments.replica import ReplicaConfig
+from fairbatch.deployments.cluster.client import ClusterClient, collect
+from fairbatch.deployments.cluster.fairness import ControllerConfig
+from fairbatch.deployments.cluster.launch import start_cluster
+from fairbatch.deployments.cluster.replica import ReplicaConfig
 from fairbatch.engine.sampling_params import SamplingParams
 from fairbatch.policies import TenantSpec
 
@@ -39,7 +39,6 @@ def sim_config(policy: str = "priority", **kw) -> ReplicaConfig:
         policy=policy,
         tenants=TENANTS,
         time_scale=1.0,
-        stream_batch=4,
     )
     base.update(kw)
     return ReplicaConfig(**base)

@@ -14,10 +14,10 @@ import time
 import pytest
 import ray
 
-from fairbatch.deployments.client import ClusterClient, collect
-from fairbatch.deployments.cluster import start_cluster
-from fairbatch.deployments.fairness import ControllerConfig
-from fairbatch.deployments.replica import ReplicaConfig
+from fairbatch.deployments.cluster.client import ClusterClient, collect
+from fairbatch.deployments.cluster.fairness import ControllerConfig
+from fairbatch.deployments.cluster.launch import start_cluster
+from fairbatch.deployments.cluster.replica import ReplicaConfig
 from fairbatch.engine.sampling_params import SamplingParams
 
 CLUSTERS: list = []

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from fairbatch.deployments.config import AppConfig, ConfigError, load_config, parse_config
-from fairbatch.deployments.tenants import AuthError, Rejected, TenantRegistry
+from fairbatch.deployments.api.config import AppConfig, ConfigError, load_config, parse_config
+from fairbatch.deployments.api.tenants import AuthError, Rejected, TenantRegistry
 
 
 def digest(key: str) -> str:
@@ -202,8 +202,8 @@ def test_admin_update_changes_quota_and_keeps_debt():
 
 def test_config_and_registry_import_neither_torch_nor_ray():
     code = (
-        "import sys; import fairbatch.deployments.config, fairbatch.deployments.tenants, "
-        "fairbatch.deployments.api_schemas; "
+        "import sys; import fairbatch.deployments.api.config, fairbatch.deployments.api.tenants, "
+        "fairbatch.deployments.api.schemas; "
         "print([m for m in ('torch', 'ray') if m in sys.modules])"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -2,7 +2,7 @@
 
 `FairbatchIngress` is a plain class under `@serve.ingress()`: its (async) constructor
 validates the args, builds the FastAPI app (`create_app(None, config)`), starts or finds the
-cluster (`serve_cluster.ensure_cluster`: the named controller and one replica actor per GPU,
+cluster (`cluster.launch.ensure_cluster`: the named controller and one replica actor per GPU,
 `num_cpus=0`), binds a `ClusterBackend` to the app, and only then returns, so `serve.run` and
 `serve status` report RUNNING when requests can be served. Serve gets the app from
 `__serve_build_asgi_app__`. The handle API (`handle_api.HandleApi`) is mixed in.
@@ -22,9 +22,9 @@ from typing import Any
 import ray
 from ray import serve
 
-from fairbatch.deployments.api_server import bind_backend, create_app
-from fairbatch.deployments.handle_api import HandleApi
+from fairbatch.deployments.api.server import bind_backend, create_app
 from fairbatch.deployments.metrics import Deltas, get_metrics
+from fairbatch.deployments.serve.handle_api import HandleApi
 
 log = logging.getLogger("fairbatch.serve")
 
@@ -64,12 +64,9 @@ def resolve_num_replicas(requested: int | str, gpus_per_replica: float) -> int:
 @serve.ingress()
 class FairbatchIngress(HandleApi):
     async def __init__(self, config: dict[str, Any]) -> None:
-        from fairbatch.deployments.app import parse_app_args
-        from fairbatch.deployments.serve_cluster import (
-            ClusterBackend,
-            ClusterSpec,
-            ensure_cluster,
-        )
+        from fairbatch.deployments.cluster.launch import ClusterSpec, ensure_cluster
+        from fairbatch.deployments.serve.app import parse_app_args
+        from fairbatch.deployments.serve.backend import ClusterBackend
 
         cfg = parse_app_args(config)
         self.config = cfg
@@ -138,7 +135,7 @@ class FairbatchIngress(HandleApi):
         handles = getattr(self, "handles", None)
         if handles is None:
             return
-        from fairbatch.deployments.serve_cluster import kill_cluster
+        from fairbatch.deployments.cluster.launch import kill_cluster
 
         try:
             left = await asyncio.wait_for(handles.controller.detach.remote(self.user), 10.0)

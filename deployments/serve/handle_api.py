@@ -29,9 +29,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from fairbatch.deployments.api_schemas import ApiError
-from fairbatch.deployments.config import format_validation_error
-from fairbatch.deployments.tenants import Rejected, Ticket
+from fairbatch.deployments.api.config import format_validation_error
+from fairbatch.deployments.api.schemas import ApiError
+from fairbatch.deployments.api.tenants import Admission, Rejected
 from fairbatch.engine.sampling_params import SamplingParams
 
 log = logging.getLogger("fairbatch.api")
@@ -192,7 +192,7 @@ class HandleApi:
         return await api.encode(req.prompt)
 
     @staticmethod
-    def _admit(api: Any, tenant: Any, req: GenerateRequest, n_prompt: int) -> Ticket:
+    def _admit(api: Any, tenant: Any, req: GenerateRequest, n_prompt: int) -> Admission:
         import secrets
 
         rid = req.request_id or f"handle-{secrets.token_urlsafe(18)}"

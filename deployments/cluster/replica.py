@@ -1,16 +1,19 @@
 """The replica actor: one per GPU, owns an EngineCore and runs its step loop continuously.
 
-Data plane only: `generate` / `resume` are async generators that Ray streams straight to the
-caller (`.options(num_returns="streaming")`), so tokens never pass through the controller.
-Control plane: a background task reports to the controller at a bounded rate (one report per
-`report_interval_s` at most, and only when something changed or a heartbeat is due), and the
-controller's commands (preempt, migrate out, counters) run between steps on the engine thread.
+Data plane (`channel.py`): consumers (an ingress replica, a handle caller, a driver) `submit`
+requests in batches and read one long-lived `channel` stream each; after every engine step the
+deltas of each consumer's requests go to that consumer's outbox, and its channel takes them as
+one message. Tokens never pass through the controller. Control plane: a background task
+reports to the controller at a bounded rate (one report per `report_interval_s` at most, and
+only when something changed or a heartbeat is due), and the controller's commands (preempt,
+migrate out, counters) run between steps on the engine thread.
 
-A caller that dies does not end its streams: Ray keeps running an actor's streaming generator
-after the process consuming it is gone. So a caller that is an actor (the ingress) names
-itself with each stream, and the replica pings those callers every `owner_check_s`; the
-requests of one that is dead are aborted, which frees their KV blocks and, through the next
-report, the controller's slots.
+A consumer that dies does not end its channel: Ray keeps running an actor's streaming
+generator after the process consuming it is gone. So a consumer that is an actor names itself
+when it submits, and the replica pings it every `owner_check_s` while it has requests here;
+the requests of one that is dead are aborted, which frees their KV blocks and, through the
+next report, the controller's slots. One that stops reading is treated alike once its outbox
+holds `unread_items_per_seat x max_num_seqs` items.
 
 `Replica` is a plain class; `replica_actor()` wraps it for Ray with `num_gpus=1, num_cpus=0`.
 """
@@ -18,17 +21,34 @@ report, the controller's slots.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from fairbatch.deployments.types import Moved, ReplicaReport, RequestMeta, StreamItem
+from fairbatch.deployments.cluster.channel import CHANNEL_BACKPRESSURE, Outbox
+from fairbatch.deployments.cluster.wire import Moved, ReplicaReport, RequestMeta, StreamItem
 from fairbatch.engine.core import EngineCore, MigratedRequest, RequestDelta
 from fairbatch.policies import TenantSpec
 from fairbatch.scheduler import Request, RequestStatus
 
 log = logging.getLogger(__name__)
+
+
+def ray_method(**options: Any):
+    """`ray.method(...)` when Ray is installed (the class also runs without it, in tests)."""
+    try:
+        import ray
+    except ImportError:  # pragma: no cover
+        return lambda fn: fn
+    return ray.method(**options)
+
+
+@dataclass
+class _Route:
+    box: Outbox  # the consumer its items go to
+    num_out: int  # output tokens it has (reported when it leaves)
 
 
 @dataclass
@@ -51,7 +71,6 @@ class ReplicaConfig:
     time_scale: float = 0.0
     report_interval_s: float = 0.02
     heartbeat_s: float = 0.5
-    stream_batch: int = 1  # tokens per stream item at most (1 = every token at once)
     device: str = "cpu"
     torch_threads: int = 1  # CPU model: intra-op threads per replica (replicas share cores)
 
@@ -127,8 +146,10 @@ class Replica:
         self.config = config
         self.core = build_core(config)
         self.time_scale = config.time_scale
-        self.engine = AsyncEngine(self.core, step_hook=self._pace)
-        self._moves: dict[str, Moved] = {}
+        self.engine = AsyncEngine(self.core, step_hook=self._pace, sink=self._deliver)
+        self._routes: dict[str, _Route] = {}  # request id -> where its items go
+        self._boxes: dict[str, Outbox] = {}  # consumer id -> its unread items
+        self._stalling: set[str] = set()  # consumers whose requests are being dropped
         self._finished: list[tuple[str, int]] = []  # (id, output tokens) left since last report
         self._meta: dict[str, tuple[str, int, int]] = {}  # id -> (tenant, priority, max_tokens)
         self._changed = True
@@ -139,7 +160,6 @@ class Replica:
         self.namespace = namespace
         self._reporter: asyncio.Task | None = None
         self._controller: Any = None
-        self._owners: dict[str, tuple[Any, set[str]]] = {}  # caller actor id -> (handle, ids)
         self._owner_watch: asyncio.Task | None = None
 
     def _pace(self) -> None:
@@ -151,41 +171,52 @@ class Replica:
 
     # ---- data plane -------------------------------------------------------------------------
 
-    async def generate(self, meta: RequestMeta, owner: tuple[str, Any] | None = None):
-        """Stream a new (or resubmitted) request's tokens as StreamItems. `owner`: the calling
-        actor's (id, handle), watched so its requests end if it dies; None for a driver."""
+    async def submit(
+        self, consumer: str, metas: list[RequestMeta], owner: Any = None
+    ) -> list[str | None]:
+        """Start new (or resubmitted) requests whose items go to `consumer`'s channel. Returns
+        one entry per request: None when it was added, else why it was refused. `owner`: the
+        consumer's actor handle, watched so its requests end if it dies; None for a driver."""
         self._start_reporter()
-        rid = meta.request_id
-        self._meta[rid] = (meta.tenant, meta.priority, meta.params.max_tokens)
-        self._changed = True
-        if meta.output_ids:
-            stream = self.engine.resume(self._resubmitted(meta))
-        else:
-            stream = self.engine.generate(
-                list(meta.prompt_ids),
-                meta.params,
-                request_id=rid,
-                tenant=meta.tenant,
-                priority=meta.priority,
-                cache_salt=meta.cache_salt,
-            )
-        async for item in self._relay(rid, stream, len(meta.output_ids), owner):
-            yield item
+        box = self._outbox(consumer, owner)
+        errors: list[str | None] = []
+        for meta in metas:
+            rid = meta.request_id
+            if rid in self._routes:
+                errors.append(f"duplicate request id {rid!r}")
+                continue
+            if meta.output_ids:
+                add = functools.partial(self.core.import_request, self._resubmitted(meta))
+            else:
+                add = functools.partial(
+                    self.core.add_request,
+                    list(meta.prompt_ids),
+                    meta.params,
+                    request_id=rid,
+                    tenant=meta.tenant,
+                    priority=meta.priority,
+                    cache_salt=meta.cache_salt,
+                )
+            meta_row = (meta.tenant, meta.priority, meta.params.max_tokens)
+            errors.append(await self._add(box, rid, meta_row, len(meta.output_ids), add))
+        return errors
 
-    async def resume(self, migrated: Any, owner: tuple[str, Any] | None = None):
-        """Adopt a request exported by another replica (its K/V too, if it was swapped)."""
+    async def adopt(self, consumer: str, migrated: Any, owner: Any = None) -> str | None:
+        """Take over a request exported by another replica (its K/V too, if it was swapped);
+        its items go to `consumer`'s channel. None when adopted, else why not."""
         self._start_reporter()
         if not isinstance(migrated, MigratedRequest):  # an ObjectRef nested in a Moved
             migrated = await migrated
         request = migrated.request
         rid = request.request_id
-        self._meta[rid] = (request.tenant, request.priority, request.max_tokens)
-        self._changed = True
+        if rid in self._routes:
+            return f"duplicate request id {rid!r}"
         if migrated.kv_blocks is not None:
             self.num_imported_kv_blocks += int(migrated.kv_blocks.shape[2])
-        num_out = request.num_output_tokens
-        async for item in self._relay(rid, self.engine.resume(migrated), num_out, owner):
-            yield item
+        meta_row = (request.tenant, request.priority, request.max_tokens)
+        add = functools.partial(self.core.import_request, migrated)
+        box = self._outbox(consumer, owner)
+        return await self._add(box, rid, meta_row, request.num_output_tokens, add)
 
     def _resubmitted(self, meta: RequestMeta) -> MigratedRequest:
         """A request whose replica died: prompt + tokens already delivered, recomputed here.
@@ -210,80 +241,150 @@ class Replica:
         request.num_prompt_charged = request.num_prompt_tokens  # charged on the first replica
         return MigratedRequest(request)
 
-    async def _relay(self, rid: str, stream, num_out: int = 0, owner=None):
-        batch = max(1, self.config.stream_batch)
-        tokens: list[int] = []
-        logprobs: list = []  # the sampler's records for `tokens`, when the request asked
-        text = ""
-        self._own(rid, owner)
+    async def _add(self, box: Outbox, rid: str, meta_row: tuple, num_out: int, add) -> str | None:
+        # Routed before it is added: its first step may end before this coroutine resumes.
+        self._routes[rid] = _Route(box, num_out)
+        box.requests.add(rid)
+        self._meta[rid] = meta_row
+        self._changed = True
         try:
-            async for delta in stream:
-                if delta.finish_reason == "moved":
-                    if tokens:
-                        yield self._item(tokens, text, False, None, logprobs)
-                    yield self._moves.pop(rid)
-                    return
-                tokens.extend(delta.token_ids)
-                num_out += len(delta.token_ids)
-                text += delta.text
-                if delta.logprobs:
-                    logprobs.extend(delta.logprobs)
-                if delta.finished or len(tokens) >= batch:
-                    yield self._item(tokens, text, delta.finished, delta.finish_reason, logprobs)
-                    tokens, logprobs, text = [], [], ""
-        finally:
-            self._disown(rid, owner)
+            await self.engine.add(add)
+        except Exception as e:
+            self._routes.pop(rid, None)
+            box.requests.discard(rid)
             self._meta.pop(rid, None)
-            self._finished.append((rid, num_out))
-            self._changed = True
+            return f"{type(e).__name__}: {e}"
+        self._watch(box)
+        return None
 
-    # ---- callers that die -------------------------------------------------------------------
+    @ray_method(
+        num_returns="streaming",
+        max_task_retries=0,
+        _generator_backpressure_num_objects=CHANNEL_BACKPRESSURE,
+    )
+    async def channel(self, consumer: str, owner: Any = None):
+        """The consumer's one stream from this replica: each item is a list of everything its
+        outbox gathered since the last one (one engine step's deltas, or more). A newer
+        channel of the same consumer ends this one."""
+        box = self._outbox(consumer, owner)
+        box.generation += 1
+        generation = box.generation
+        box.ready.set()  # wakes an older channel (it ends) and delivers what waited
+        while True:
+            await box.ready.wait()
+            if box.generation != generation:
+                return
+            items = box.take()
+            if items:
+                yield items
 
-    owner_check_s = 1.0  # how often the callers of open streams are pinged
+    def _outbox(self, consumer: str, owner: Any = None) -> Outbox:
+        box = self._boxes.get(consumer)
+        if box is None:
+            limit = self.unread_items_per_seat * max(1, self.config.max_num_seqs)
+            box = self._boxes[consumer] = Outbox(consumer, owner, limit)
+        elif owner is not None:
+            box.owner = owner
+        return box
+
+    def _deliver(self, deltas: list[RequestDelta] | BaseException) -> None:
+        """The engine's sink, on the event loop after every step."""
+        if isinstance(deltas, BaseException):  # the step loop died: end every request
+            error = f"the engine failed: {deltas!r}"
+            for rid in list(self._routes):
+                self._end(rid, StreamItem([], "", True, "error", error=error, request_id=rid))
+            return
+        steps, replica_id, routes = self.engine.num_steps, self.replica_id, self._routes
+        for d in deltas:
+            route = routes.get(d.request_id)
+            if route is None:
+                continue
+            route.num_out += len(d.token_ids)
+            item = StreamItem(
+                d.token_ids,
+                d.text,
+                d.finished,
+                d.finish_reason,
+                steps,
+                replica_id,
+                logprobs=d.logprobs,
+                request_id=d.request_id,
+            )
+            if d.finished:
+                self._end(d.request_id, item)
+            elif not route.box.put(item):
+                self._stalled(route.box)
+
+    def _end(self, rid: str, last: Any) -> None:
+        """The request's last item (finished, or a Moved marker): it leaves this replica."""
+        route = self._routes.pop(rid, None)
+        if route is None:
+            return
+        route.box.requests.discard(rid)
+        self._meta.pop(rid, None)
+        self._finished.append((rid, route.num_out))
+        self._changed = True
+        if not route.box.put(last):
+            self._stalled(route.box)
+
+    def _stalled(self, box: Outbox) -> None:
+        if box.consumer in self._stalling:
+            return
+        self._stalling.add(box.consumer)
+        asyncio.get_running_loop().create_task(self._drop_consumer(box, "stalled"))
+
+    async def _drop_consumer(self, box: Outbox, why: str) -> None:
+        """Abort every request of a consumer that died or stopped reading (its unread items
+        are dropped: memory stays bounded); each request ends with an error item."""
+        try:
+            ids = list(box.requests)
+            log.warning("consumer %s %s: aborting its %d request(s)", box.consumer, why, len(ids))
+            for rid in ids:
+                await self.engine.call(self.core.abort, rid)
+            box.items.clear()
+            box.stalled = False
+            if why == "stalled":
+                error = f"the consumer stopped reading: over {box.limit} unread items"
+            else:
+                error = "the consumer died"
+            for rid in ids:
+                self._end(rid, StreamItem([], "", True, "error", error=error, request_id=rid))
+        finally:
+            self._stalling.discard(box.consumer)
+
+    # ---- consumers that die -----------------------------------------------------------------
+
+    owner_check_s = 1.0  # how often the consumers with open requests are pinged
     owner_ping_timeout_s = 10.0  # a ping this slow proves nothing: checked again next round
+    unread_items_per_seat = 1024  # an outbox holds this many items per running seat at most
 
-    def _own(self, rid: str, owner: tuple[str, Any] | None) -> None:
-        if owner is None:
-            return
-        actor_id, handle = owner
-        entry = self._owners.get(actor_id)
-        if entry is None:
-            entry = self._owners[actor_id] = (handle, set())
-        entry[1].add(rid)
-        if self._owner_watch is None:
+    def _watch(self, box: Outbox) -> None:
+        if box.owner is not None and self._owner_watch is None:
             self._owner_watch = asyncio.get_running_loop().create_task(self._watch_owners())
-
-    def _disown(self, rid: str, owner: tuple[str, Any] | None) -> None:
-        if owner is None:
-            return
-        entry = self._owners.get(owner[0])
-        if entry is not None:
-            entry[1].discard(rid)
-            if not entry[1]:
-                del self._owners[owner[0]]
 
     async def _watch_owners(self) -> None:
         while True:
             await asyncio.sleep(self.owner_check_s)
-            owners = list(self._owners.items())
-            if owners:
-                await asyncio.gather(*(self._check_owner(a, h, ids) for a, (h, ids) in owners))
+            boxes = [b for b in self._boxes.values() if b.owner is not None and b.requests]
+            if boxes:
+                await asyncio.gather(*(self._check_owner(b) for b in boxes))
 
-    async def _check_owner(self, actor_id: str, handle: Any, ids: set[str]) -> None:
-        if not await actor_is_dead(handle, self.owner_ping_timeout_s):
+    async def _check_owner(self, box: Outbox) -> None:
+        if not await actor_is_dead(box.owner, self.owner_ping_timeout_s):
             return
-        # dead: nobody reads these streams any more
-        log.info("caller %s died: aborting its %d request(s)", actor_id, len(ids))
-        self._owners.pop(actor_id, None)
-        for rid in list(ids):
-            await self.engine.abort(rid)  # its stream ends with "abort"; blocks free now
-
-    def _item(self, tokens: list[int], text: str, done: bool, reason, lps: list) -> StreamItem:
-        steps, lp = self.engine.num_steps, list(lps) or None
-        return StreamItem(list(tokens), text, done, reason, steps, self.replica_id, logprobs=lp)
+        # dead: nobody reads these items any more; its channel (if still open) ends too
+        self._boxes.pop(box.consumer, None)
+        box.generation += 1
+        box.ready.set()
+        await self._drop_consumer(box, "died")
 
     async def abort(self, request_id: str) -> bool:
-        return await self.engine.abort(request_id)
+        """Abort a request; its consumer gets an "abort" item. False if it was not here."""
+        ok = await self.engine.abort(request_id)
+        if ok:
+            item = StreamItem([], "", True, "abort", request_id=request_id)
+            self._end(request_id, item)
+        return ok
 
     # ---- controller commands ----------------------------------------------------------------
 
@@ -297,8 +398,8 @@ class Replica:
         caller's stream with a Moved marker that names the destination."""
         import ray
 
-        if request_id not in self.engine._streams:
-            return False  # finished, or its caller has not attached yet
+        if request_id not in self._routes:
+            return False  # finished, or not started here yet
 
         def export() -> MigratedRequest | None:
             request = self.core.scheduler.requests.get(request_id)
@@ -313,12 +414,9 @@ class Replica:
         if migrated is None:
             return False
         ref = ray.put(migrated)  # numpy K/V: read zero-copy by the destination
-        self._moves[request_id] = Moved(request_id, dst_id, dst, ref)
-        queue = self.engine._streams.get(request_id)
-        if queue is None:  # the caller left meanwhile: nobody will resume it
-            self._moves.pop(request_id, None)
+        if request_id not in self._routes:  # its consumer was dropped meanwhile
             return False
-        queue.put_nowait(RequestDelta(request_id, [], "", True, "moved"))
+        self._end(request_id, Moved(request_id, dst_id, dst, ref))
         return True
 
     async def set_tenant_counters(self, counters: dict[str, float]) -> None:
@@ -360,8 +458,8 @@ class Replica:
                 "engine": self.core.stats(),
             }
 
-        owners = {a: len(ids) for a, (_, ids) in self._owners.items()}  # caller -> streams
-        return {**await self.engine.call(run), "owners": owners}
+        consumers = {c: len(b.requests) for c, b in self._boxes.items() if b.requests}
+        return {**await self.engine.call(run), "consumers": consumers}
 
     # ---- reports ----------------------------------------------------------------------------
 

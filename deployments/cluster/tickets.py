@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from fairbatch.deployments.types import RequestMeta
+from fairbatch.deployments.cluster.wire import RequestMeta
 from fairbatch.policies import TenantSpec
 
 ROUTINGS = ("fair", "round_robin", "power_of_two")

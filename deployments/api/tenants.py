@@ -2,7 +2,7 @@
 
 `TenantRegistry` answers, for every request, in this order:
   1. `authenticate(authorization header)` -> tenant, or AuthError (401).
-  2. `admit(tenant, request_id, prompt_tokens)` -> a `Ticket`, or Rejected (429 over quota or
+  2. `admit(tenant, request_id, prompt_tokens)` -> a `Admission`, or Rejected (429 over quota or
      over the tenant's in-flight bound; 503 over the global bound), each with a Retry-After.
   3. `ticket.charge(n)` as completion tokens come out; `release(ticket)` when it ends.
 
@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from fairbatch.deployments.config import AppConfig, TenantConfig, sha256_hex
+from fairbatch.deployments.api.config import AppConfig, TenantConfig, sha256_hex
 from fairbatch.policies.quota import TokenBucket
 
 # Bearer tokens that OpenAI-compatible clients send when they have no key: anonymous.
@@ -89,7 +89,7 @@ class TenantState:
 
 
 @dataclass
-class Ticket:
+class Admission:
     """One admitted request: its owner, and what it has been charged."""
 
     request_id: str
@@ -124,7 +124,7 @@ class TenantRegistry:
         if self.allow_anonymous and self.anonymous not in self.tenants:
             self._add(TenantConfig(name=self.anonymous))
         self._keyed = [t for t in self.tenants.values() if t.key_digest is not None]
-        self.requests: dict[str, Ticket] = {}  # in flight, by request id
+        self.requests: dict[str, Admission] = {}  # in flight, by request id
         self.total_in_flight = 0
         self.rejected_total = 0
 
@@ -197,7 +197,7 @@ class TenantRegistry:
 
     def admit(
         self, tenant: TenantState, request_id: str, prompt_tokens: int, created: int
-    ) -> Ticket:
+    ) -> Admission:
         """Admit a request or raise Rejected. On success the prompt is charged."""
         retry = self.limits.retry_after_s
         if tenant.bucket is not None:
@@ -227,7 +227,7 @@ class TenantRegistry:
             raise Rejected(503, "server_busy", "the server is at capacity; retry later", retry)
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
-        ticket = Ticket(request_id, tenant, self, created, prompt_tokens)
+        ticket = Admission(request_id, tenant, self, created, prompt_tokens)
         self.requests[request_id] = ticket
         tenant.in_flight += 1
         tenant.requests_admitted += 1
@@ -235,20 +235,20 @@ class TenantRegistry:
         self._charge(tenant, prompt_tokens)
         return ticket
 
-    def release(self, ticket: Ticket) -> None:
+    def release(self, ticket: Admission) -> None:
         """The request ended (finished, failed, cancelled or disconnected). Idempotent."""
         if self.requests.pop(ticket.request_id, None) is None:
             return
         ticket.tenant.in_flight -= 1
         self.total_in_flight -= 1
 
-    def refund(self, ticket: Ticket) -> None:
+    def refund(self, ticket: Admission) -> None:
         """Give back the prompt charge of a request the backend refused outright."""
         if ticket.tenant.bucket is not None:
             ticket.tenant.bucket.consume(-ticket.prompt_tokens, self._clock())
         ticket.tenant.tokens_charged -= ticket.prompt_tokens
 
-    def lookup(self, tenant: TenantState, request_id: str) -> Ticket | None:
+    def lookup(self, tenant: TenantState, request_id: str) -> Admission | None:
         """The in-flight request `request_id` if `tenant` owns it; None otherwise (also when
         another tenant owns it, so ids of others cannot even be probed)."""
         ticket = self.requests.get(request_id)

@@ -126,7 +126,7 @@ def run_serve_app(args: dict, http_port: int, timeout_s: float) -> str:
     runs in a thread). Returns the base URL once /health answers 200."""
     from ray import serve
 
-    from fairbatch.deployments.app import build_app
+    from fairbatch.deployments.serve.app import build_app
 
     serve.start(http_options={"host": "127.0.0.1", "port": http_port})
     failure: list[BaseException] = []

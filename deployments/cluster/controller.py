@@ -22,16 +22,21 @@ from typing import Any
 
 import ray
 
-from fairbatch.deployments.fairness import (
+from fairbatch.deployments.cluster.fairness import (
     Assign,
     ControllerConfig,
     FairnessCore,
     Migrate,
     Preempt,
 )
-from fairbatch.deployments.replica import ReplicaConfig
-from fairbatch.deployments.replica_set import RayLauncher, ReplicaSet, ReplicaSpec, Supervisor
-from fairbatch.deployments.types import Assignment, ReplicaReport, RequestMeta
+from fairbatch.deployments.cluster.replica import ReplicaConfig
+from fairbatch.deployments.cluster.replica_set import (
+    RayLauncher,
+    ReplicaSet,
+    ReplicaSpec,
+    Supervisor,
+)
+from fairbatch.deployments.cluster.wire import Assignment, ReplicaReport, RequestMeta
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """`build_app(args)`: the one builder for Python (`serve.run(build_app({...}))`) and YAML
-(`import_path: fairbatch.deployments.app:build_app` with `args:` in a Serve config).
+(`import_path: fairbatch.deployments.serve.app:build_app` with `args:` in a Serve config).
 
 The args are validated here, at the boundary, by `ServeAppConfig`: the API's `AppConfig`
 (model, tenants, keys, limits) plus the cluster's settings. Every error names its field
@@ -7,7 +7,7 @@ The args are validated here, at the boundary, by `ServeAppConfig`: the API's `Ap
 deploy instead of being ignored.
 
     from ray import serve
-    from fairbatch.deployments.app import build_app
+    from fairbatch.deployments.serve.app import build_app
 
     serve.run(build_app({"model": "tiny", "num_replicas": 2}), name="fairbatch")
 """
@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from pydantic import Field, TypeAdapter, ValidationError, field_validator, model_validator
 
-from fairbatch.deployments.config import AppConfig, ConfigError, format_validation_error
+from fairbatch.deployments.api.config import AppConfig, ConfigError, format_validation_error
 
 APP_NAME = "fairbatch"  # the Serve application name the docs and `get_app_handle` use
 ENGINES = ("tiny", "sim")  # besides a model directory
@@ -79,13 +79,13 @@ class ServeAppConfig(AppConfig):
     @field_validator("controller")
     @classmethod
     def _controller(cls, v: dict[str, Any]) -> dict[str, Any]:
-        from fairbatch.deployments.fairness import ControllerConfig
+        from fairbatch.deployments.cluster.fairness import ControllerConfig
 
         return _check_dataclass_kwargs(ControllerConfig, v, "controller")
 
     @model_validator(mode="after")
     def _engine(self) -> ServeAppConfig:
-        from fairbatch.deployments.replica import ReplicaConfig
+        from fairbatch.deployments.cluster.replica import ReplicaConfig
 
         engine = self.engine
         if isinstance(engine, str):
@@ -113,7 +113,7 @@ class ServeAppConfig(AppConfig):
         return super().model_name
 
     def replica_config(self) -> Any:
-        from fairbatch.deployments.replica import ReplicaConfig
+        from fairbatch.deployments.cluster.replica import ReplicaConfig
 
         kw: dict[str, Any] = {"device": "auto", "max_num_seqs": 16, "num_gpu_blocks": 512}
         if self.model == "sim":
@@ -124,7 +124,7 @@ class ServeAppConfig(AppConfig):
         return ReplicaConfig(engine=self.model, **kw)
 
     def controller_config(self) -> Any:
-        from fairbatch.deployments.fairness import ControllerConfig
+        from fairbatch.deployments.cluster.fairness import ControllerConfig
 
         return ControllerConfig(**self.controller)
 
@@ -177,7 +177,7 @@ def parse_app_args(args: dict[str, Any] | ServeAppConfig | None) -> ServeAppConf
 
 def build_app(args: dict[str, Any] | None = None) -> Any:
     """The fairbatch Serve application (an ingress deployment bound to its args)."""
-    from fairbatch.deployments.serve_ingress import FairbatchIngress
+    from fairbatch.deployments.serve.ingress import FairbatchIngress
 
     config = parse_app_args(args)
     return FairbatchIngress.options(

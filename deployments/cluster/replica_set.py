@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from fairbatch.deployments.replica import Replica, ReplicaConfig
+from fairbatch.deployments.cluster.replica import Replica, ReplicaConfig
 
 log = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ class RequestMeta:
 
 @dataclass
 class StreamItem:
-    """What a replica's stream yields: new tokens of one request (one or more steps)."""
+    """New tokens of one request (one step, or several coalesced)."""
 
     token_ids: list[int]
     text: str
@@ -44,6 +44,7 @@ class StreamItem:
     # one sampler record per token in token_ids, [(sampled_id, lp), (top1_id, lp), ...];
     # None unless the request asked for logprobs
     logprobs: list | None = None
+    request_id: str = ""  # whose tokens (a channel message carries many requests' items)
 
 
 @dataclass

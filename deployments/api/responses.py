@@ -16,10 +16,10 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from fairbatch.deployments import api_schemas as S
-from fairbatch.deployments.api_http import ClientGone, close_stream, sse, until_disconnect
-from fairbatch.deployments.api_schemas import ApiError
-from fairbatch.deployments.tenants import Ticket
+from fairbatch.deployments.api import schemas as S
+from fairbatch.deployments.api.http import ClientGone, close_stream, sse, until_disconnect
+from fairbatch.deployments.api.schemas import ApiError
+from fairbatch.deployments.api.tenants import Admission
 
 log = logging.getLogger("fairbatch.api")
 
@@ -28,7 +28,7 @@ class ResponseRun:
     """One admitted request after its first delta: turns deltas into OpenAI bodies."""
 
     def __init__(
-        self, api: Any, ticket: Ticket, it: Any, first: Any, *, chat: bool, top_n: int | None
+        self, api: Any, ticket: Admission, it: Any, first: Any, *, chat: bool, top_n: int | None
     ) -> None:
         self.api = api
         self.ticket = ticket

@@ -26,7 +26,7 @@ def cuda_available() -> bool:
 
 
 def app_args(args: argparse.Namespace) -> dict[str, Any]:
-    from fairbatch.deployments.app import read_args_file
+    from fairbatch.deployments.serve.app import read_args_file
 
     data: dict[str, Any] = read_args_file(args.config) if args.config else {}
     if args.model is not None or ("model" not in data and "engine" not in data):
@@ -64,7 +64,7 @@ def _raise_stop(signum: int, frame: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fairbatch.deployments.app import APP_NAME, ConfigError, parse_app_args
+    from fairbatch.deployments.serve.app import APP_NAME, ConfigError, parse_app_args
 
     try:
         data = app_args(args)
@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from fairbatch.deployments.app import build_app
+    from fairbatch.deployments.serve.app import build_app
 
     n = config.num_replicas if config.num_replicas != "auto" else 2
     init: dict[str, Any] = {

@@ -138,14 +138,14 @@ class LocalBackend:
 
 def create_app(backend: Any, config: Any = None, **kwargs: Any):
     """See `fairbatch.deployments.api_server.create_app`."""
-    from fairbatch.deployments.api_server import create_app as _create_app
+    from fairbatch.deployments.api.server import create_app as _create_app
 
     return _create_app(backend, config, **kwargs)
 
 
 async def bind_backend(app: Any, backend: Any) -> None:
     """See `fairbatch.deployments.api_server.bind_backend`."""
-    from fairbatch.deployments.api_server import bind_backend as _bind
+    from fairbatch.deployments.api.server import bind_backend as _bind
 
     await _bind(app, backend)
 

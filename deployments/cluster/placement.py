@@ -14,7 +14,7 @@ import itertools
 import random
 from collections.abc import Iterable
 
-from fairbatch.deployments.tickets import Ticket
+from fairbatch.deployments.cluster.tickets import Ticket
 
 AFFINITY_PROBES = 4  # replicas looked at per prompt block when matching prefixes
 

@@ -1,14 +1,16 @@
 """The client side of the cluster, used by the ingress and by Python callers.
 
-`ClusterClient.generate(...)` asks the controller for a turn (`admit`), then streams straight
-from the assigned replica. It follows the request wherever it goes:
-  * a `Moved` item (migration): re-attach to the destination replica's `resume` stream;
+`ClusterClient.generate(...)` asks the controller for a turn (`admit`), then submits the request
+to the assigned replica and reads its items from this process's one channel to that replica
+(`channel.ReplicaLink`: one message per engine step for all of this process's requests there).
+It follows the request wherever it goes:
+  * a `Moved` item (migration): adopt it on the destination replica, read it from that channel;
   * the replica dies mid-stream: tell the controller, and resubmit prompt + the tokens already
     delivered (same request id, same params) so the caller sees no gap and no repeat;
   * the controller is restarting: Ray retries `admit` (idempotent per request id) and the
     client retries on errors until `admit_timeout_s`.
-Inside an actor (the ingress), every stream names that actor as its owner, so a replica can
-abort the requests of a client process that died (Ray does not stop their streams).
+Inside an actor (the ingress), every submission names that actor as its owner, so a replica
+can abort the requests of a client process that died (Ray does not stop its channel).
 Every stream ends with a finished item: tokens, or finish_reason "error". Nothing waits forever.
 """
 
@@ -23,7 +25,8 @@ from typing import Any
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
 
-from fairbatch.deployments.types import Assignment, Moved, RequestMeta, StreamItem
+from fairbatch.deployments.cluster.channel import LinkLost, ReplicaLink, RequestRefused
+from fairbatch.deployments.cluster.wire import Assignment, Moved, RequestMeta, StreamItem
 from fairbatch.engine.sampling_params import SamplingParams
 from fairbatch.kv.block_pool import hash_block
 
@@ -51,6 +54,10 @@ class ClusterClient:
         self.batch_admissions = batch_admissions  # one call per batch instead of per request
         self._batcher: AdmissionBatcher | None = None
         self._where: dict[str, Any] = {}  # request id -> the replica holding it now (streams)
+        self._links: dict[str, ReplicaLink] = {}  # replica id -> this loop's channel to it
+        self._links_loop: asyncio.AbstractEventLoop | None = None
+        self._consumer_base = uuid.uuid4().hex
+        self._consumer_gen = 0
         self._owner: tuple[str, Any] | None = None  # this process's actor, see owner()
         self._owner_known = False
 
@@ -67,6 +74,23 @@ class ClusterClient:
             self._owner = None if actor_id is None else (actor_id, ctx.current_actor)
             self._owner_known = True
         return self._owner
+
+    def _link(self, replica_id: str, handle: Any) -> ReplicaLink:
+        """This event loop's channel to the replica (a new one after the old one broke)."""
+        loop = asyncio.get_running_loop()
+        if self._links_loop is not loop:  # links (their tasks) belong to one event loop
+            self._links = {}
+            self._links_loop = loop
+            self._consumer_gen += 1
+        link = self._links.get(replica_id)
+        if link is None or not link.alive or link.handle != handle:
+            if link is not None:
+                link.shutdown()
+            owner = self.owner()
+            consumer = f"{self._consumer_base}.{self._consumer_gen}"
+            link = ReplicaLink(replica_id, handle, consumer, None if owner is None else owner[1])
+            self._links[replica_id] = link
+        return link
 
     def prefix_hashes(self, prompt_ids: list[int], salt: str) -> list[bytes]:
         bs = self.block_size
@@ -104,33 +128,36 @@ class ClusterClient:
         resubmits = 0
         finished = False
         replica_id, handle = "", None
-        owner = self.owner()
+        rid = meta.request_id
         try:
             while True:
                 try:
                     assignment = await self._admit(meta)
                 except Exception as e:
-                    log.warning("admit %s failed: %r", meta.request_id, e)
-                    await self._abandon(meta.request_id, None)
+                    log.warning("admit %s failed: %r", rid, e)
+                    await self._abandon(rid, None)
                     finished = True
                     yield StreamItem([], "", True, "error", error=f"admission failed: {e!r}")
                     return
                 replica_id, handle = assignment.replica_id, assignment.replica
-                self._where[meta.request_id] = handle
+                self._where[rid] = handle
                 if on_assign is not None:
                     on_assign(assignment)
-                gen = handle.generate.options(num_returns="streaming").remote(meta, owner)
+                link = self._link(replica_id, handle)
+                queue = link.open(rid)
                 try:
+                    await link.submit(meta)
                     while True:
-                        item = await self._next(gen)
-                        if item is None:  # the stream ended without a finished item
-                            raise RayActorError()
+                        item = await asyncio.wait_for(queue.get(), timeout=self.item_timeout_s)
+                        if isinstance(item, LinkLost):
+                            raise item
                         if isinstance(item, Moved):
+                            link.close(rid)
                             replica_id, handle = item.replica_id, item.replica
-                            self._where[meta.request_id] = handle
-                            gen = handle.resume.options(num_returns="streaming").remote(
-                                item.migrated, owner
-                            )
+                            self._where[rid] = handle
+                            link = self._link(replica_id, handle)
+                            queue = link.open(rid)
+                            await link.adopt(item.migrated)
                             continue
                         delivered.extend(item.token_ids)
                         if item.finished:
@@ -138,9 +165,11 @@ class ClusterClient:
                         yield item
                         if finished:
                             return
-                except (ActorDiedError, RayActorError, ActorUnavailableError) as e:
+                except (LinkLost, ActorDiedError, RayActorError, ActorUnavailableError) as e:
                     resubmits += 1
-                    log.info("replica %s lost %s: %r", replica_id, meta.request_id, e)
+                    log.info("replica %s lost %s: %r", replica_id, rid, e)
+                    if handle is not None:  # in case it lives on: it must not run twice
+                        self._abort_quietly(rid, handle)
                     if resubmits > self.max_resubmits:
                         finished = True
                         yield StreamItem([], "", True, "error", error=f"gave up: {e!r}")
@@ -148,15 +177,18 @@ class ClusterClient:
                     await self._report_failure(replica_id)
                     meta.output_ids = list(delivered)
                     meta.attempt += 1
-                except (RayTaskError, asyncio.TimeoutError) as e:  # a bad request, or a stall
-                    await self._abandon(meta.request_id, handle)
+                except (RequestRefused, RayTaskError, asyncio.TimeoutError) as e:
+                    # a bad request, or a stall
+                    await self._abandon(rid, handle)
                     finished = True
                     yield StreamItem([], "", True, "error", replica_id=replica_id, error=repr(e))
                     return
+                finally:
+                    link.close(rid)
         finally:
-            self._where.pop(meta.request_id, None)
+            self._where.pop(rid, None)
             if not finished:  # the caller went away: free the request wherever it is
-                await self._abandon(meta.request_id, handle)
+                await self._abandon(rid, handle)
 
     async def abort(self, request_id: str, timeout_s: float = 15.0) -> bool:
         """Cancel a request this client is streaming: the controller drops it (queued or
@@ -177,12 +209,12 @@ class ClusterClient:
             log.info("abort(%s) on the replica failed: %r", request_id, e)
             return False
 
-    async def _next(self, gen) -> Any:
+    @staticmethod
+    def _abort_quietly(request_id: str, handle: Any) -> None:
         try:
-            ref = await asyncio.wait_for(gen.__anext__(), timeout=self.item_timeout_s)
-        except StopAsyncIteration:
-            return None
-        return await asyncio.wait_for(ref, timeout=self.item_timeout_s)
+            handle.abort.remote(request_id)
+        except Exception:  # it is gone
+            pass
 
     async def _admit(self, meta: RequestMeta):
         if self.batch_admissions:

@@ -30,8 +30,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from fairbatch.deployments import api_schemas as S
-from fairbatch.deployments.api_http import (
+from fairbatch.deployments.api import schemas as S
+from fairbatch.deployments.api.config import AppConfig, parse_config
+from fairbatch.deployments.api.http import (
     ClientGone,
     SSEResponse,
     close_stream,
@@ -42,10 +43,15 @@ from fairbatch.deployments.api_http import (
     validate,
     validation_message,
 )
-from fairbatch.deployments.api_responses import ResponseRun
-from fairbatch.deployments.api_schemas import ApiError, bad_request
-from fairbatch.deployments.config import AppConfig, parse_config
-from fairbatch.deployments.tenants import AuthError, Rejected, TenantRegistry, TenantState, Ticket
+from fairbatch.deployments.api.responses import ResponseRun
+from fairbatch.deployments.api.schemas import ApiError, bad_request
+from fairbatch.deployments.api.tenants import (
+    Admission,
+    AuthError,
+    Rejected,
+    TenantRegistry,
+    TenantState,
+)
 
 log = logging.getLogger("fairbatch.api")
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -167,7 +173,7 @@ class _Api:
 
     # -- running a request ---------------------------------------------------------------------
 
-    def admit(self, tenant: TenantState, prefix: str, n_prompt: int) -> Ticket:
+    def admit(self, tenant: TenantState, prefix: str, n_prompt: int) -> Admission:
         rid = f"{prefix}-{secrets.token_urlsafe(18)}"
         try:
             return self.registry.admit(tenant, rid, n_prompt, S.now())
@@ -182,7 +188,7 @@ class _Api:
             ) from None
 
     async def start(
-        self, request: Request, ticket: Ticket, prompt_ids: list[int], params: Any
+        self, request: Request, ticket: Admission, prompt_ids: list[int], params: Any
     ) -> tuple[AsyncIterator[Any], Any]:
         """Submit and wait for the first delta (watching for a disconnect meanwhile)."""
         # Only a tenant in a prefix-cache group passes a salt: without one the backend salts
@@ -215,7 +221,7 @@ class _Api:
             raise
         return it, first
 
-    def backend_error(self, ticket: Ticket) -> ApiError:
+    def backend_error(self, ticket: Admission) -> ApiError:
         if ticket.cancelled:
             return ApiError(409, "the request was cancelled", code="request_cancelled")
         return ApiError(
@@ -226,7 +232,7 @@ class _Api:
             headers={"Retry-After": str(self.limits.retry_after_s)},
         )
 
-    def finish_log(self, ticket: Ticket, outcome: str) -> None:
+    def finish_log(self, ticket: Admission, outcome: str) -> None:
         log.info(
             "request_id=%s tenant=%s outcome=%s prompt_tokens=%d completion_tokens=%d",
             ticket.request_id,
@@ -377,7 +383,7 @@ def create_app(
 
     # -- the caller's own requests ---------------------------------------------------------
 
-    def own(request: Request, request_id: str) -> Ticket:
+    def own(request: Request, request_id: str) -> Admission:
         ticket = api.registry.lookup(api.tenant(request), request_id)
         if ticket is None:  # also when another tenant owns it: ids cannot be probed
             raise ApiError(404, f"no request {request_id!r} in flight", code="request_not_found")

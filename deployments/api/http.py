@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
-from fairbatch.deployments.api_schemas import ApiError, bad_request
+from fairbatch.deployments.api.schemas import ApiError, bad_request
 
 log = logging.getLogger("fairbatch.api")
 

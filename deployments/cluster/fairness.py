@@ -30,9 +30,9 @@ import random
 import time
 from collections.abc import Callable
 
-from fairbatch.deployments.placement import AFFINITY_PROBES, Placement, ReplicaState
-from fairbatch.deployments.preemption import Preemption
-from fairbatch.deployments.tickets import (
+from fairbatch.deployments.cluster.placement import AFFINITY_PROBES, Placement, ReplicaState
+from fairbatch.deployments.cluster.preemption import Preemption
+from fairbatch.deployments.cluster.tickets import (
     ROUTINGS,
     Assign,
     ControllerConfig,
@@ -40,7 +40,7 @@ from fairbatch.deployments.tickets import (
     Preempt,
     Ticket,
 )
-from fairbatch.deployments.types import RequestMeta
+from fairbatch.deployments.cluster.wire import RequestMeta
 from fairbatch.policies import make_policy
 
 __all__ = [

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 
-from fairbatch.deployments.placement import Placement, ReplicaState
-from fairbatch.deployments.tickets import Ticket
+from fairbatch.deployments.cluster.placement import Placement, ReplicaState
+from fairbatch.deployments.cluster.tickets import Ticket
 
 
 class Preemption:

@@ -1,0 +1,144 @@
+"""`ClusterBackend`: the API's backend protocol (see `api.backend`) over the fairbatch cluster,
+for the Serve ingress: `ClusterClient` streams, tenant updates through the controller, health
+and the engines' counters summed over replicas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from fairbatch.deployments.cluster.client import ClusterClient
+from fairbatch.deployments.cluster.launch import ClusterHandles
+from fairbatch.deployments.metrics import RequestTimer, get_metrics
+from fairbatch.engine.core import RequestDelta
+from fairbatch.engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+UPDATE_TIMEOUT_S = 15.0  # tenant pushes and stats through the controller
+HEALTH_TIMEOUT_S = 5.0
+
+
+class ClusterBackend:
+    """The API's backend protocol (see `openai_api`) over `ClusterClient`, plus metrics."""
+
+    def __init__(
+        self,
+        handles: ClusterHandles,
+        tokenizer: Any,
+        max_model_len: int,
+        *,
+        block_size: int = 16,
+        admit_timeout_s: float = 120.0,
+        item_timeout_s: float = 120.0,
+        record_metrics: bool = True,
+    ) -> None:
+        self.handles = handles
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.client = ClusterClient(
+            handles.controller,
+            block_size=block_size,
+            admit_timeout_s=admit_timeout_s,
+            item_timeout_s=item_timeout_s,
+        )
+        self._metrics = get_metrics() if record_metrics else None
+        self._tasks: set[asyncio.Task] = set()
+
+    async def generate(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        request_id: str,
+        tenant: str,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestDelta]:
+        timer = RequestTimer(tenant, time.monotonic)
+        inner = self.client.generate(
+            list(prompt_token_ids),
+            params,
+            tenant=tenant,
+            priority=priority,
+            request_id=request_id,
+            cache_salt=cache_salt,  # None: salted with the tenant (replicas and affinity)
+        )
+        reason = "abort"
+        try:
+            async for item in inner:
+                timer.tokens_out(len(item.token_ids), item.replica_id)
+                if item.error:
+                    log.warning("request_id=%s failed in the cluster: %s", request_id, item.error)
+                yield RequestDelta(
+                    request_id,
+                    list(item.token_ids),
+                    item.text,
+                    item.finished,
+                    item.finish_reason,
+                    item.logprobs,
+                )
+                if item.finished:
+                    reason = item.finish_reason or "stop"
+                    return
+        finally:
+            # Closing the client's generator cancels at the controller and aborts on the
+            # replica; shielded so a cancelled caller cannot cut that short.
+            try:
+                await asyncio.shield(inner.aclose())
+            finally:
+                if self._metrics is not None:
+                    timer.record(self._metrics, reason, len(prompt_token_ids))
+
+    async def abort(self, request_id: str) -> bool:
+        return await self.client.abort(request_id, timeout_s=UPDATE_TIMEOUT_S)
+
+    async def update_tenant(
+        self, name: str, weight: float, priority: int, tokens_per_minute: float | None
+    ) -> None:
+        # Quotas are enforced at the ingress (at admission); the cluster gets share and class.
+        # The controller keeps the change (a replacement replica starts with it) and pushes it
+        # to every replica in service, so no handle here can be stale.
+        await asyncio.wait_for(
+            self.handles.controller.update_tenant.remote(name, weight, priority),
+            timeout=UPDATE_TIMEOUT_S,
+        )
+
+    async def check_health(self) -> bool:
+        await asyncio.wait_for(self.handles.controller.ready.remote(0), HEALTH_TIMEOUT_S)
+        return True
+
+    async def stats(self) -> dict:
+        """The replicas' engine counters summed (`EngineCore.stats()` keys), plus the
+        controller's own view under "controller"."""
+
+        async def gather() -> dict:
+            controller = await self.handles.controller.stats.remote()
+            handles = await self.handles.controller.replica_handles.remote()
+            replicas = await asyncio.gather(*(h.stats.remote() for h in handles.values()))
+            total = sum_engine_stats([r["engine"] for r in replicas])
+            total["replicas"] = len(replicas)
+            total["controller"] = controller
+            return total
+
+        return await asyncio.wait_for(gather(), UPDATE_TIMEOUT_S)
+
+
+def sum_engine_stats(stats: list[dict]) -> dict:
+    """Counters and occupancies added up; `kv_usage` averaged."""
+    total: dict = {}
+    for s in stats:
+        for key, value in s.items():
+            if isinstance(value, dict):
+                inner = total.setdefault(key, {})
+                for k, v in value.items():
+                    inner[k] = inner.get(k, 0) + v
+            else:
+                total[key] = total.get(key, 0) + value
+    if stats:
+        total["kv_usage"] = total.get("kv_usage", 0.0) / len(stats)
+    return total
