@@ -458,8 +458,13 @@ class Replica:
                 "engine": self.core.stats(),
             }
 
-        consumers = {c: len(b.requests) for c, b in self._boxes.items() if b.requests}
-        return {**await self.engine.call(run), "consumers": consumers}
+        # the consumers that are actors (ingress replicas), by actor id -> requests here
+        owners: dict[str, int] = {}
+        for box in self._boxes.values():
+            if box.owner is not None and box.requests:
+                actor_id = box.owner._actor_id.hex()
+                owners[actor_id] = owners.get(actor_id, 0) + len(box.requests)
+        return {**await self.engine.call(run), "owners": owners}
 
     # ---- reports ----------------------------------------------------------------------------
 
