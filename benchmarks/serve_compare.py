@@ -11,6 +11,9 @@
 * `preemption`: swap vs recompute vs auto on a memory-tight engine (few KV blocks, so running
   requests must give way): an all-at-once burst, preemptions and swapped bytes from the
   server's /admin/stats, throughput and latency.
+* `serving-path`: one workload offline, through the local HTTP server, through the Ray Serve
+  app over HTTP and through its handle API; tokens/s against offline, latency, and CPU per
+  output token per process role (`serving_path.py`).
 * `summary`: the engine benchmark (`fairbatch bench engine --json`) and the cluster benchmark
   (`fairbatch bench cluster --json`) from their JSON files, in one table each.
 
@@ -42,6 +45,7 @@ def run(args: argparse.Namespace) -> int:
         "priority": compare_priority,
         "preemption": compare_preemption,
         "summary": compare_summary,
+        "serving-path": compare_serving_path,
     }[args.compare]
     result: dict[str, Any] = {"kind": "compare", "compare": args.compare, "meta": B.meta(args)}
     out = B.out_dir(args)
@@ -51,6 +55,12 @@ def run(args: argparse.Namespace) -> int:
     print(text)
     print(f"\nwrote {out / 'result.json'}" + "".join(f", {p}" for p in result.get("plots", [])))
     return 0
+
+
+def compare_serving_path(args: argparse.Namespace, result: dict, out: Path) -> str:
+    from fairbatch.benchmarks import serving_path
+
+    return serving_path.run(args, result, out)
 
 
 def _phase_record(engine: dict | None, phase: dict, wl: B.Workload) -> dict:

@@ -212,7 +212,22 @@ def _add_bench_serve(bench_sub: argparse._SubParsersAction) -> None:
     g.add_argument("--no-plots", action="store_true")
     g.add_argument("--no-progress", action="store_true")
     g = srv.add_argument_group("comparisons (each in one command)")
-    g.add_argument("--compare", choices=["policies", "priority", "preemption", "summary"])
+    g.add_argument(
+        "--compare", choices=["policies", "priority", "preemption", "summary", "serving-path"]
+    )
+    g.add_argument(
+        "--intervals",
+        default="50,0",
+        help="serving-path: the app's stream_interval_ms values to run (default 50,0)",
+    )
+    g.add_argument(
+        "--replicas", type=_positive(int), default=2, help="serving-path: replica actors"
+    )
+    g.add_argument(
+        "--paths",
+        default="offline,local_http,serve_http,handle",
+        help="serving-path: which paths to run (default all four)",
+    )
     g.add_argument("--engine-json", default="docs/results/engine.json", help="for summary")
     g.add_argument("--cluster-json", help="for summary: `fairbatch bench cluster --json` output")
     srv.set_defaults(func=_bench_serve, parser=srv)

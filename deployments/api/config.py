@@ -82,6 +82,9 @@ class AppConfig(_Strict):
     admin_api_key: str | None = Field(default=None, min_length=1, repr=False)  # hashed on load
     admin_api_key_sha256: str | None = Field(default=None, pattern=SHA256_HEX, repr=False)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    # A streamed request's deltas that arrive within this many ms of its last chunk leave as
+    # one SSE chunk (0 = a chunk per delta); the first token always leaves at once.
+    stream_interval_ms: float = Field(default=50.0, ge=0, le=1000)
     # Cluster-layer settings (replicas, routing, engine kwargs) are passed through untouched
     # for the app builder; the ingress itself does not read them.
     num_replicas: int = Field(default=1, ge=1)

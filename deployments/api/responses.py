@@ -17,6 +17,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from fairbatch.deployments.api import schemas as S
+from fairbatch.deployments.api.coalesce import coalesce
 from fairbatch.deployments.api.http import ClientGone, close_stream, sse, until_disconnect
 from fairbatch.deployments.api.schemas import ApiError
 from fairbatch.deployments.api.tenants import Admission
@@ -148,11 +149,14 @@ class ResponseRun:
 
     async def stream(self, include_usage: bool) -> AsyncIterator[str]:
         t = self.ticket
+        merged = None
         try:
             if self.chat:
                 role = {"index": 0, "delta": {"role": "assistant", "content": ""}}
                 yield self.chunk(dict(role, logprobs=None, finish_reason=None), include_usage)
-            async for d in self.deltas():
+            interval_s = self.api.config.stream_interval_ms / 1000.0
+            merged = coalesce(self.deltas(), interval_s)
+            async for d in merged:
                 self.account(d)
                 reason = d.finish_reason if d.finished else None
                 err = self.outcome_error(reason)
@@ -176,4 +180,6 @@ class ResponseRun:
             yield sse(self.api.backend_error(t).body())
             yield sse("[DONE]")
         finally:
+            if merged is not None:
+                await merged.aclose()
             await self.close()

@@ -29,6 +29,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from fairbatch.deployments.api.coalesce import coalesce
 from fairbatch.deployments.api.config import format_validation_error
 from fairbatch.deployments.api.schemas import ApiError
 from fairbatch.deployments.api.tenants import Admission, Rejected
@@ -154,8 +155,9 @@ class HandleApi:
             **({} if salt is None else {"cache_salt": salt}),
         )
         outcome = "client_gone"
+        merged = coalesce(it, api.config.stream_interval_ms / 1000.0)
         try:
-            async for d in it:
+            async for d in merged:
                 ticket.charge(len(d.token_ids))
                 chunk = {
                     "id": ticket.request_id,
@@ -179,6 +181,7 @@ class HandleApi:
         finally:
             api.registry.release(ticket)
             api.finish_log(ticket, outcome)
+            await asyncio.shield(merged.aclose())
             await asyncio.shield(it.aclose())
 
     @staticmethod

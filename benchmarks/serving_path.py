@@ -1,0 +1,430 @@
+"""`fairbatch bench serve --compare serving-path`: one workload down every path to the client.
+
+The same requests (token-id prompts, greedy, `ignore_eos`, a fixed number of streams) go
+  * `offline`: `LLM("tiny", max_num_seqs=replicas x seats).generate(...)` in this process;
+  * `local_http`: the local HTTP server (`serve_server`, one engine, no Ray) and a streaming
+    HTTP client;
+  * `serve_http@<ms>`: the Ray Serve app (`build_app`: ingress + controller + replica actors)
+    behind Serve's HTTP proxy, once per stream interval (`--intervals`, default 50 and 0);
+  * `handle@<ms>`: the same app through its handle API (`generate`, streamed) from this driver.
+
+For each: output tokens/s and its ratio to offline; TTFT, TPOT and ITL p50/p99 (ITL: the gaps
+between the chunks a client receives, so coalescing lengthens it while TPOT stays); and the CPU
+seconds each process role spent per 1,000 output tokens, read with psutil from every process on
+the machine before and after the timed run (roles from Ray's process titles: replicas,
+controller, ingress, proxy; `client` is this process; `ray_system` everything else Ray runs;
+`server` the local HTTP server). `replica_share` is the replicas' CPU over the machine's
+(cores x wall time): how much of the machine went to the model while requests were queued.
+
+Writes OUT/result.json and OUT/serving_path.png, prints a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from fairbatch.benchmarks.serve_metrics import request_metrics
+from fairbatch.benchmarks.serve_types import RequestResult, RequestSpec
+
+ROLES = (  # process title prefix -> role (Ray sets the titles of its workers)
+    ("ray::ClusterReplica", "replicas"),
+    ("ray::ClusterController", "controller"),
+    ("ray::ServeReplica", "ingress"),
+    ("ray::ProxyActor", "proxy"),
+)
+PATHS = ("offline", "local_http", "serve_http", "handle")
+WARMUP_REQUESTS = 8
+
+
+def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    """Deterministic token-id prompts, all distinct (no prefix-cache hits between them)."""
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(10, vocab) for _ in range(length)] for _ in range(n)]
+
+
+# ---- CPU per process role -----------------------------------------------------------------------
+
+
+def _role(proc: Any, own_pid: int, server_pid: int | None) -> str:
+    if proc.pid == own_pid:
+        return "client"
+    if server_pid is not None and proc.pid == server_pid:
+        return "server"
+    try:
+        title = " ".join(proc.cmdline())
+    except Exception:
+        return "other"
+    for prefix, role in ROLES:
+        if title.startswith(prefix):
+            return role
+    if "ray" in title:
+        return "ray_system"
+    return "other"
+
+
+def cpu_snapshot(server_pid: int | None = None) -> dict[int, tuple[str, float]]:
+    """pid -> (role, user + system CPU seconds) for every process we may read."""
+    import psutil
+
+    own = os.getpid()
+    snap: dict[int, tuple[str, float]] = {}
+    for proc in psutil.process_iter():
+        try:
+            t = proc.cpu_times()
+            snap[proc.pid] = (_role(proc, own, server_pid), t.user + t.system)
+        except Exception:  # gone, or not ours to read
+            continue
+    return snap
+
+
+def cpu_by_role(before: dict, after: dict) -> dict[str, float]:
+    """CPU seconds per role between two snapshots (a process born in between counts whole)."""
+    out: dict[str, float] = {}
+    for pid, (role, cpu) in after.items():
+        spent = cpu - before[pid][1] if pid in before else cpu
+        if spent > 0:
+            out[role] = out.get(role, 0.0) + spent
+    out.pop("other", None)  # not ours (the shell, an editor): left out of every figure
+    return {k: round(v, 3) for k, v in sorted(out.items())}
+
+
+# ---- clients ------------------------------------------------------------------------------------
+
+
+def _result(i: int, wl: dict, send: float, chunks: list[float], tokens: int, reason: str, error):
+    spec = RequestSpec(i, "default", 0.0, "", wl["prompt_len"], wl["output_len"])
+    r = RequestResult(spec, send_s=send, end_s=time.perf_counter())
+    r.chunk_times_s = chunks
+    r.first_token_s = chunks[0] if chunks else None
+    r.completion_tokens, r.prompt_tokens = tokens, wl["prompt_len"]
+    r.finish_reason = reason
+    r.ok = error is None and reason == "length" and tokens == wl["output_len"]
+    r.error = "" if r.ok else (error or f"finish {reason!r} after {tokens} tokens")
+    return r
+
+
+async def _closed_loop(one, n: int, concurrency: int) -> tuple[list[RequestResult], float]:
+    sem = asyncio.Semaphore(concurrency)
+
+    async def guarded(i: int) -> RequestResult:
+        async with sem:
+            return await one(i)
+
+    t0 = time.perf_counter()
+    results = await asyncio.gather(*(guarded(i) for i in range(n)))
+    return list(results), time.perf_counter() - t0
+
+
+async def http_run(url: str, model: str, ids: list[list[int]], wl: dict, n_tokens: int):
+    import httpx
+
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(300.0)) as client:
+
+        async def one(i: int) -> RequestResult:
+            body = {
+                "model": model,
+                "prompt": ids[i],
+                "max_tokens": n_tokens,
+                "temperature": 0.0,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            send, chunks, tokens, reason, error = time.perf_counter(), [], 0, "", None
+            try:
+                async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
+                    if resp.status_code != 200:
+                        return _result(i, wl, send, [], 0, "", f"HTTP {resp.status_code}")
+                    async for line in resp.aiter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        data = json.loads(line[6:])
+                        if "error" in data:
+                            error = str(data["error"].get("message"))
+                            continue
+                        for c in data.get("choices") or ():
+                            if c.get("text"):
+                                chunks.append(time.perf_counter())
+                            reason = c.get("finish_reason") or reason
+                        if data.get("usage"):
+                            tokens = data["usage"]["completion_tokens"]
+            except httpx.HTTPError as e:
+                error = repr(e)
+            return _result(i, wl, send, chunks, tokens, reason, error)
+
+        return await _closed_loop(one, len(ids), wl["concurrency"])
+
+
+async def handle_run(handle: Any, ids: list[list[int]], wl: dict, n_tokens: int):
+    stream = handle.options(stream=True)
+
+    async def one(i: int) -> RequestResult:
+        req = {"prompt_token_ids": ids[i], "max_tokens": n_tokens, "temperature": 0.0}
+        req["ignore_eos"] = True
+        send, chunks, tokens, reason, error = time.perf_counter(), [], 0, "", None
+        try:
+            async for chunk in stream.generate.remote(req):
+                if chunk["token_ids"]:
+                    chunks.append(time.perf_counter())
+                    tokens += len(chunk["token_ids"])
+                if chunk["finished"]:
+                    reason = chunk["finish_reason"]
+        except Exception as e:
+            error = repr(e)
+        return _result(i, wl, send, chunks, tokens, reason, error)
+
+    return await _closed_loop(one, len(ids), wl["concurrency"])
+
+
+# ---- one row per path ---------------------------------------------------------------------------
+
+
+def measure(label: str, fn, wl: dict, server_pid: int | None = None) -> dict:
+    """Run `fn()` -> (results, duration) between two CPU snapshots; the row for `label`."""
+    before = cpu_snapshot(server_pid)
+    results, duration = fn()
+    after = cpu_snapshot(server_pid)
+    cpu = cpu_by_role(before, after)
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.completion_tokens for r in ok)
+    lat = request_metrics(results) if results and results[0].chunk_times_s else {}
+    per_k = {k: round(1000 * v / max(out_tokens, 1), 3) for k, v in cpu.items()}
+    cores = os.cpu_count() or 1
+    row = {
+        "path": label,
+        "requests": len(results),
+        "ok": len(ok),
+        "errors": sorted({r.error for r in results if not r.ok})[:5],
+        "duration_s": round(duration, 3),
+        "output_tokens": out_tokens,
+        "output_tok_s": round(out_tokens / duration, 1),
+        "cpu_s": cpu,
+        "cpu_ms_per_token": {k: round(v / 1000, 4) for k, v in per_k.items()},
+        "cpu_s_per_1k_tokens": per_k,
+        "replica_share": round(cpu.get("replicas", 0.0) / (cores * duration), 3),
+        "plane_cpu_ms_per_token": round(
+            sum(cpu.get(k, 0.0) for k in ("ingress", "proxy", "controller"))
+            * 1000
+            / max(out_tokens, 1),
+            4,
+        ),
+    }
+    for name in ("ttft", "tpot", "itl"):
+        s = lat.get(name) or {}
+        for q in ("p50", "p99"):
+            v = s.get(q)
+            row[f"{name}_{q}_ms"] = None if v is None else round(1000 * v, 2)
+    print(f"  {label}: {row['output_tok_s']} tok/s, {row['ok']}/{row['requests']} ok, cpu {cpu}",
+          flush=True)  # fmt: skip
+    return row
+
+
+def offline_run(ids: list[list[int]], wl: dict, seats: int) -> dict:
+    from fairbatch.engine import LLM, SamplingParams
+
+    llm = LLM("tiny", max_num_seqs=seats, num_gpu_blocks=wl["num_gpu_blocks"])
+    params = SamplingParams(max_tokens=wl["output_len"], temperature=0.0, ignore_eos=True)
+    warm = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    llm.generate(ids[:WARMUP_REQUESTS], warm, use_tqdm=False)
+
+    def go():
+        t0 = time.perf_counter()
+        outs = llm.generate(ids, params, use_tqdm=False)
+        duration = time.perf_counter() - t0
+        results = []
+        for i, o in enumerate(outs):
+            results.append(_result(i, wl, t0, [], len(o.token_ids), o.finish_reason, None))
+        return results, duration
+
+    return measure("offline", go, wl)
+
+
+def local_http_run(ids: list[list[int]], wl: dict, seats: int) -> dict:
+    from fairbatch.benchmarks.serve_server import LocalServer
+
+    engine = {"max_num_seqs": seats, "num_gpu_blocks": wl["num_gpu_blocks"]}
+    config = {"model": "tiny", "engine": engine, "stream_interval_ms": wl["intervals"][0]}
+    with LocalServer(config) as url:
+        model = "fairbatch-tiny"
+        asyncio.run(http_run(url, model, ids[:WARMUP_REQUESTS], wl, 8))
+        fn = functools.partial(_sync, http_run, url, model, ids, wl, wl["output_len"])
+        pid = None
+        for proc in __import__("psutil").Process().children(recursive=True):
+            pid = proc.pid  # the server subprocess
+        return measure("local_http", fn, wl, server_pid=pid)
+
+
+def serve_runs(ids: list[list[int]], wl: dict, paths: list[str]) -> list[dict]:
+    import ray
+    from ray import serve
+
+    from fairbatch.deployments.serve.app import APP_NAME, build_app
+    from fairbatch.deployments.serve.cli import cuda_available
+
+    rows: list[dict] = []
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    init: dict[str, Any] = {"address": "local", "include_dashboard": False}
+    if not cuda_available():
+        init["num_gpus"] = wl["replicas"]  # fake GPUs, one per replica
+    ray.init(**init)
+    try:
+        port = _free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        url = f"http://127.0.0.1:{port}"
+        for interval in wl["intervals"]:
+            args = {
+                "model": "tiny",
+                "num_replicas": wl["replicas"],
+                "engine": {"max_num_seqs": wl["seats"], "num_gpu_blocks": wl["num_gpu_blocks"]},
+                "stream_interval_ms": interval,
+            }
+            handle = serve.run(build_app(args), name=APP_NAME, route_prefix="/")
+            model = "fairbatch-tiny"
+            if "serve_http" in paths:
+                asyncio.run(http_run(url, model, ids[:WARMUP_REQUESTS], wl, 8))
+                run = functools.partial(_sync, http_run, url, model, ids, wl, wl["output_len"])
+                rows.append(measure(f"serve_http@{interval:g}ms", run, wl))
+            if "handle" in paths:
+                asyncio.run(handle_run(handle, ids[:WARMUP_REQUESTS], wl, 8))
+                run = functools.partial(_sync, handle_run, handle, ids, wl, wl["output_len"])
+                rows.append(measure(f"handle@{interval:g}ms", run, wl))
+        serve.shutdown()
+    finally:
+        ray.shutdown()
+    return rows
+
+
+def _sync(fn, *args: Any):
+    return asyncio.run(fn(*args))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---- the command --------------------------------------------------------------------------------
+
+
+def workload(args: argparse.Namespace) -> dict:
+    def fixed(spec: str | None, default: int) -> int:
+        if spec is None:
+            return default
+        if not spec.startswith("fixed:"):
+            raise SystemExit("--compare serving-path takes --input-len/--output-len fixed:N")
+        return int(spec.split(":", 1)[1])
+
+    replicas = args.replicas
+    return {
+        "num_requests": args.num_prompts or 128,
+        "prompt_len": fixed(args.input_len, 64),
+        "output_len": fixed(args.output_len, 128),
+        "concurrency": args.concurrency or 32,
+        "replicas": replicas,
+        "seats": args.max_num_seqs,
+        "num_gpu_blocks": args.num_gpu_blocks or 1024,
+        "intervals": [float(x) for x in args.intervals.split(",")],
+        "greedy": True,
+        "ignore_eos": True,
+        "prompt": "token ids",
+    }
+
+
+def table(rows: list[dict]) -> str:
+    offline = next((r for r in rows if r["path"] == "offline"), None)
+    base = offline["output_tok_s"] if offline else None
+    head = (
+        "| path | tok/s | x offline | TTFT p50/p99 ms | TPOT p50/p99 ms | ITL p50/p99 ms "
+        "| CPU ms/token: replicas, ingress, proxy, controller, client | replica share |"
+    )
+    lines = [head, "|" + "---|" * 8]
+    for r in rows:
+        ratio = f"{r['output_tok_s'] / base:.2f}" if base else "-"
+        per = r["cpu_ms_per_token"]
+
+        def pair(name: str, r: dict = r) -> str:
+            a, b = r.get(f"{name}_p50_ms"), r.get(f"{name}_p99_ms")
+            return "-" if a is None else f"{a:g} / {b:g}"
+
+        cpu = ", ".join(
+            f"{per.get(k, 0):.3f}" for k in ("replicas", "ingress", "proxy", "controller", "client")
+        )
+        if "server" in per:
+            cpu += f" (server {per['server']:.3f})"
+        lines.append(
+            f"| {r['path']} | {r['output_tok_s']:,.0f} | {ratio} | {pair('ttft')} | "
+            f"{pair('tpot')} | {pair('itl')} | {cpu} | {r['replica_share']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [r["path"] for r in rows]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.2))
+    a.bar(labels, [r["output_tok_s"] for r in rows], color="#4477aa")
+    a.set_ylabel("output tokens/s")
+    a.set_title("throughput by path")
+    roles = ("replicas", "ingress", "proxy", "controller", "client", "ray_system", "server")
+    bottom = [0.0] * len(rows)
+    for role in roles:
+        vals = [r["cpu_ms_per_token"].get(role, 0.0) for r in rows]
+        if any(vals):
+            b.bar(labels, vals, bottom=bottom, label=role)
+            bottom = [x + y for x, y in zip(bottom, vals)]
+    b.set_ylabel("CPU ms per output token")
+    b.set_title("where the CPU goes")
+    b.legend(fontsize=8)
+    for ax in (a, b):
+        ax.tick_params(axis="x", rotation=30, labelsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace, result: dict, out: Path) -> str:
+    wl = workload(args)
+    paths = args.paths.split(",")
+    unknown = sorted(set(paths) - set(PATHS))
+    if unknown:
+        raise SystemExit(f"--paths: unknown {', '.join(unknown)}; known: {', '.join(PATHS)}")
+    from fairbatch.engine.tokenizer import Tokenizer
+
+    ids = prompts(wl["num_requests"], wl["prompt_len"], Tokenizer.tiny().vocab_size, args.seed)
+    seats = wl["replicas"] * wl["seats"]
+    rows: list[dict] = []
+    print(f"serving-path: {wl}", flush=True)
+    if "offline" in paths:
+        rows.append(offline_run(ids, wl, seats))
+    if "local_http" in paths:
+        rows.append(local_http_run(ids, wl, seats))
+    if "serve_http" in paths or "handle" in paths:
+        rows.extend(serve_runs(ids, wl, paths))
+    offline = next((r for r in rows if r["path"] == "offline"), None)
+    for r in rows:
+        if offline:
+            r["x_offline"] = round(r["output_tok_s"] / offline["output_tok_s"], 3)
+    result["workload"] = wl
+    result["table"] = rows
+    result["runs"] = {r["path"]: r for r in rows}
+    if not args.no_plots and rows:
+        plot(rows, out / "serving_path.png")
+        result["plots"] = ["serving_path.png"]
+    return table(rows)
