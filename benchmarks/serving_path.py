@@ -198,7 +198,7 @@ def measure(label: str, fn, wl: dict, server_pid: int | None = None) -> dict:
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.completion_tokens for r in ok)
     lat = request_metrics(results) if results and results[0].chunk_times_s else {}
-    per_k = {k: round(1000 * v / max(out_tokens, 1), 3) for k, v in cpu.items()}
+    per_k = {k: round(1000 * v / max(out_tokens, 1), 4) for k, v in cpu.items()}
     cores = os.cpu_count() or 1
     row = {
         "path": label,
@@ -209,8 +209,7 @@ def measure(label: str, fn, wl: dict, server_pid: int | None = None) -> dict:
         "output_tokens": out_tokens,
         "output_tok_s": round(out_tokens / duration, 1),
         "cpu_s": cpu,
-        "cpu_ms_per_token": {k: round(v / 1000, 4) for k, v in per_k.items()},
-        "cpu_s_per_1k_tokens": per_k,
+        "cpu_ms_per_token": per_k,  # CPU s per 1,000 tokens = CPU ms per token
         "replica_share": round(cpu.get("replicas", 0.0) / (cores * duration), 3),
         "plane_cpu_ms_per_token": round(
             sum(cpu.get(k, 0.0) for k in ("ingress", "proxy", "controller"))
@@ -272,11 +271,13 @@ def serve_runs(ids: list[list[int]], wl: dict, paths: list[str]) -> list[dict]:
     from fairbatch.deployments.serve.cli import cuda_available
 
     rows: list[dict] = []
+    n_out = wl["output_len"]
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     init: dict[str, Any] = {"address": "local", "include_dashboard": False}
     if not cuda_available():
         init["num_gpus"] = wl["replicas"]  # fake GPUs, one per replica
     ray.init(**init)
+    loop = _Loop().__enter__()  # one event loop throughout: Serve handles bind to theirs
     try:
         port = _free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -289,23 +290,66 @@ def serve_runs(ids: list[list[int]], wl: dict, paths: list[str]) -> list[dict]:
                 "stream_interval_ms": interval,
             }
             handle = serve.run(build_app(args), name=APP_NAME, route_prefix="/")
+            url = ingress_url(url)
             model = "fairbatch-tiny"
             if "serve_http" in paths:
-                asyncio.run(http_run(url, model, ids[:WARMUP_REQUESTS], wl, 8))
-                run = functools.partial(_sync, http_run, url, model, ids, wl, wl["output_len"])
+                loop.run(http_run(url, model, ids[:WARMUP_REQUESTS], wl, 8))
+                run = functools.partial(loop.run, http_run(url, model, ids, wl, n_out))
                 rows.append(measure(f"serve_http@{interval:g}ms", run, wl))
             if "handle" in paths:
-                asyncio.run(handle_run(handle, ids[:WARMUP_REQUESTS], wl, 8))
-                run = functools.partial(_sync, handle_run, handle, ids, wl, wl["output_len"])
+                loop.run(handle_run(handle, ids[:WARMUP_REQUESTS], wl, 8))
+                run = functools.partial(loop.run, handle_run(handle, ids, wl, n_out))
                 rows.append(measure(f"handle@{interval:g}ms", run, wl))
         serve.shutdown()
     finally:
+        loop.__exit__()
         ray.shutdown()
     return rows
 
 
+def ingress_url(proxy_url: str) -> str:
+    """Where HTTP requests go: Serve's proxy, or with direct ingress
+    (`RAY_SERVE_ENABLE_DIRECT_INGRESS=1`: no proxy) the ingress replica's own port, as Serve's
+    controller lists it."""
+    import ray
+    from ray.serve._private import constants
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    if not constants.RAY_SERVE_ENABLE_DIRECT_INGRESS:  # also on with THROUGHPUT_OPTIMIZED
+        return proxy_url
+    controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+    for _ in range(60):
+        for group in ray.get(controller.get_target_groups.remote("fairbatch")):
+            if str(group.protocol).upper().endswith("HTTP") and group.targets:
+                t = group.targets[0]
+                if t.port != int(proxy_url.rsplit(":", 1)[1]):
+                    return f"http://127.0.0.1:{t.port}"
+        time.sleep(0.5)
+    raise RuntimeError("direct ingress: Serve lists no HTTP port for the ingress replica")
+
+
 def _sync(fn, *args: Any):
     return asyncio.run(fn(*args))
+
+
+class _Loop:
+    """An event loop running in a background thread for the whole Serve phase: a Serve handle
+    binds to the loop it first runs on and needs it running for controller updates."""
+
+    def __enter__(self) -> _Loop:
+        import threading
+
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        return self
+
+    def run(self, coro: Any, timeout_s: float = 1800.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    def __exit__(self, *exc: object) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
 
 
 def _free_port() -> int:

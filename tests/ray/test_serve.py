@@ -355,6 +355,7 @@ def test_disconnect_frees_kv_blocks(served):
     for h in replicas().values():
         stats = ray.get(h.stats.remote(), timeout=30)
         decode += stats["tokens"].get("d", (0, 0))[1]
+    print(f"disconnect: {decode} of {max_tokens} tokens decoded")
     assert 3 <= decode < max_tokens
 
 
