@@ -267,7 +267,7 @@ def serve_runs(ids: list[list[int]], wl: dict, paths: list[str]) -> list[dict]:
     import ray
     from ray import serve
 
-    from fairbatch.deployments.serve.app import APP_NAME, build_app
+    from fairbatch.deployments.serve.app import APP_NAME, build_app, ingress_url
     from fairbatch.deployments.serve.cli import cuda_available
 
     rows: list[dict] = []
@@ -290,7 +290,7 @@ def serve_runs(ids: list[list[int]], wl: dict, paths: list[str]) -> list[dict]:
                 "stream_interval_ms": interval,
             }
             handle = serve.run(build_app(args), name=APP_NAME, route_prefix="/")
-            url = ingress_url(url)
+            url = ingress_url(APP_NAME, url)
             model = "fairbatch-tiny"
             if "serve_http" in paths:
                 loop.run(http_run(url, model, ids[:WARMUP_REQUESTS], wl, 8))
@@ -305,27 +305,6 @@ def serve_runs(ids: list[list[int]], wl: dict, paths: list[str]) -> list[dict]:
         loop.__exit__()
         ray.shutdown()
     return rows
-
-
-def ingress_url(proxy_url: str) -> str:
-    """Where HTTP requests go: Serve's proxy, or with direct ingress
-    (`RAY_SERVE_ENABLE_DIRECT_INGRESS=1`: no proxy) the ingress replica's own port, as Serve's
-    controller lists it."""
-    import ray
-    from ray.serve._private import constants
-    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
-
-    if not constants.RAY_SERVE_ENABLE_DIRECT_INGRESS:  # also on with THROUGHPUT_OPTIMIZED
-        return proxy_url
-    controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
-    for _ in range(60):
-        for group in ray.get(controller.get_target_groups.remote("fairbatch")):
-            if str(group.protocol).upper().endswith("HTTP") and group.targets:
-                t = group.targets[0]
-                if t.port != int(proxy_url.rsplit(":", 1)[1]):
-                    return f"http://127.0.0.1:{t.port}"
-        time.sleep(0.5)
-    raise RuntimeError("direct ingress: Serve lists no HTTP port for the ingress replica")
 
 
 def _sync(fn, *args: Any):

@@ -148,7 +148,10 @@ class ClusterClient:
                 try:
                     await link.submit(meta)
                     while True:
-                        item = await asyncio.wait_for(queue.get(), timeout=self.item_timeout_s)
+                        if queue.empty():  # (wait_for costs a task: only when waiting)
+                            item = await asyncio.wait_for(queue.get(), self.item_timeout_s)
+                        else:
+                            item = queue.get_nowait()
                         if isinstance(item, LinkLost):
                             raise item
                         if isinstance(item, Moved):

@@ -175,6 +175,32 @@ def parse_app_args(args: dict[str, Any] | ServeAppConfig | None) -> ServeAppConf
         ) from None
 
 
+def ingress_url(app_name: str, proxy_url: str, timeout_s: float = 60.0) -> str:
+    """Where the app's HTTP requests go: Serve's proxy (`proxy_url`), or, with direct ingress
+    (`RAY_SERVE_ENABLE_DIRECT_INGRESS=1`, also on under `RAY_SERVE_THROUGHPUT_OPTIMIZED=1`: no
+    proxy), the ingress replica's own port as Serve's controller lists it (Ray 2.60 takes it
+    from `RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT`.., 30000-31000)."""
+    import time
+
+    import ray
+    from ray.serve._private import constants
+
+    if not constants.RAY_SERVE_ENABLE_DIRECT_INGRESS:
+        return proxy_url
+    controller = ray.get_actor(constants.SERVE_CONTROLLER_NAME, namespace=constants.SERVE_NAMESPACE)
+    proxy_port = int(proxy_url.rsplit(":", 1)[1])
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for group in ray.get(controller.get_target_groups.remote(app_name), timeout=30):
+            if str(group.protocol).upper().endswith("HTTP"):
+                ports = [t.port for t in group.targets if t.port != proxy_port]
+                if ports:
+                    host = proxy_url.rsplit(":", 1)[0]
+                    return f"{host}:{ports[0]}"
+        time.sleep(0.5)
+    raise RuntimeError(f"direct ingress: Serve lists no HTTP port for app {app_name!r}")
+
+
 def build_app(args: dict[str, Any] | None = None) -> Any:
     """The fairbatch Serve application (an ingress deployment bound to its args)."""
     from fairbatch.deployments.serve.ingress import FairbatchIngress

@@ -139,6 +139,8 @@ def run_serve_app(args: dict, http_port: int, timeout_s: float) -> str:
 
     threading.Thread(target=deploy, daemon=True).start()
     wait_app_running(timeout_s, failure=failure)
-    base = f"http://127.0.0.1:{http_port}"
+    from fairbatch.deployments.serve.app import ingress_url
+
+    base = ingress_url("fairbatch", f"http://127.0.0.1:{http_port}")
     wait_healthy(base)
     return base
