@@ -2,7 +2,7 @@
 
     python -m fairbatch.benchmarks.serve_server --config CFG.yaml --port P [--host 127.0.0.1]
 
-CFG.yaml holds the app config (`deployments/config.py`: tenants, admin key, limits); its
+CFG.yaml holds the app config (`deployments/api/config.py`: tenants, admin key, limits); its
 `engine` mapping is passed to `build_engine` as keyword arguments (policy, preemption_mode,
 num_gpu_blocks, max_num_seqs, ...). The server runs until SIGTERM or SIGINT, then shuts the
 engine down. `--port 0` binds a free port; `--port-file` receives the bound port once the
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
 class LocalServer:
     """`with LocalServer(config) as url:` a fresh server subprocess on 127.0.0.1.
 
-    `config` is the app config as a dict (see `deployments/config.py`). Start-up waits at most
+    `config` is the app config as a dict (see `deployments/api/config.py`). Start-up waits at most
     `start_timeout_s` for /health; a server that exits or never gets healthy raises
     RuntimeError with the tail of its log. Exit always stops the process (SIGTERM, then SIGKILL
     after `STOP_TIMEOUT_S`) and removes the temp dir.

@@ -43,6 +43,15 @@ def merge(deltas: list[Any]) -> Any:
     )
 
 
+def _chunks(deltas: list[Any]) -> list[Any]:
+    """`deltas` as one merged delta; but an ending that is a failure ("abort", "error") stays a
+    delta of its own, so the text before it still reaches the client."""
+    last = deltas[-1]
+    if len(deltas) > 1 and last.finished and last.finish_reason in ("abort", "error"):
+        return [merge(deltas[:-1]), last]
+    return [merge(deltas)]
+
+
 def _ready(pending: list[Any]) -> bool:
     """Whether the pending deltas may leave: they end the request, or carry text (tokens
     whose text is held back wait for it)."""
@@ -61,10 +70,12 @@ async def coalesce(
         async for d in deltas:
             pending.append(d)
             if _ready(pending):
-                yield merge(pending)
+                for chunk in _chunks(pending):
+                    yield chunk
                 pending = []
         if pending:
-            yield merge(pending)
+            for chunk in _chunks(pending):
+                yield chunk
         return
     loop = asyncio.get_running_loop()
     now = clock or loop.time
@@ -107,7 +118,8 @@ async def coalesce(
             if not ended and not _ready(body):
                 continue  # held-back text: wait for the delta that releases it
             if body:
-                yield merge(body)
+                for chunk in _chunks(body):
+                    yield chunk
                 last_sent = now()
             tail, pending = pending[-1], []
             if isinstance(tail, Exception):

@@ -150,6 +150,7 @@ class Replica:
         self._routes: dict[str, _Route] = {}  # request id -> where its items go
         self._boxes: dict[str, Outbox] = {}  # consumer id -> its unread items
         self._stalling: set[str] = set()  # consumers whose requests are being dropped
+        self._exports: list[tuple[float, Any]] = []  # (time, ObjectRef) of migrated requests
         self._finished: list[tuple[str, int]] = []  # (id, output tokens) left since last report
         self._meta: dict[str, tuple[str, int, int]] = {}  # id -> (tenant, priority, max_tokens)
         self._changed = True
@@ -416,8 +417,16 @@ class Replica:
         ref = ray.put(migrated)  # numpy K/V: read zero-copy by the destination
         if request_id not in self._routes:  # its consumer was dropped meanwhile
             return False
+        # Held here until the destination has surely read it: the ref travels nested in a
+        # channel message, and Ray freed such objects before the borrower resolved them
+        # (ReferenceCountingAssertionError under overload).
+        now = time.monotonic()
+        self._exports = [(t, r) for t, r in self._exports if now - t < self.export_hold_s]
+        self._exports.append((now, ref))
         self._end(request_id, Moved(request_id, dst_id, dst, ref))
         return True
+
+    export_hold_s = 300.0  # how long a migrated request's object stays pinned at its source
 
     async def set_tenant_counters(self, counters: dict[str, float]) -> None:
         await self.engine.call(self.core.scheduler.set_tenant_counters, counters)

@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from fairbatch.deployments.serve.app import build_app
+    from fairbatch.deployments.serve.app import build_app, ingress_url
 
     n = config.num_replicas if config.num_replicas != "auto" else 2
     init: dict[str, Any] = {
@@ -97,8 +97,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"starting {n} replica(s) of {config.model!r}...", flush=True)
         serve.run(build_app(data), name=APP_NAME, route_prefix="/", blocking=False)
         host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+        # with RAY_SERVE_ENABLE_DIRECT_INGRESS=1 there is no proxy: the ingress has its own port
+        url = ingress_url(APP_NAME, f"http://{host}:{args.port}")
         dashboard = f"http://{ctx.dashboard_url}" if ctx.dashboard_url else None
-        print(banner(f"http://{host}:{args.port}", config.model_name, dashboard,
+        print(banner(url, config.model_name, dashboard,
                      config.allow_anonymous), flush=True)  # fmt: skip
         while True:
             time.sleep(1.0)

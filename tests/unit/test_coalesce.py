@@ -120,3 +120,17 @@ def test_closing_stops_reading_the_backend():
 
     assert run(main()).token_ids == [1]
     assert closed == [True]  # the read in progress was cancelled, the backend's finally ran
+
+
+@pytest.mark.parametrize(
+    "interval,want",
+    [
+        (0.0, [([1], "a", False), ([2], "b", False), ([], "", True)]),
+        (0.05, [([1, 2], "ab", False), ([], "", True)]),  # all there at once: merged
+    ],
+)
+def test_a_failed_ending_is_not_merged_into_the_text_before_it(interval, want):
+    items = [d([1], "a"), d([2], "b"), d([], "", True, "abort")]
+    chunks = run(collect(coalesce(gen(items), interval, clock=lambda: 0.0)))
+    assert shape(chunks) == want  # the text still reaches the client, then the failure
+    assert chunks[-1].finish_reason == "abort"
