@@ -1,6 +1,6 @@
 """Weights and priorities hold end to end on the Ray Serve app, on `fairbatch serve`'s default
 settings (tiny model, 2 replicas x 16 seats, a local queue of 2 each, weighted fair inside
-priority): through HTTP, and through the handle API.
+priority, Serve's direct ingress): through HTTP, and through the handle API.
 
 Two tenants with weights 3:1 each keep more streams outstanding than the app has seats plus
 local-queue places (36), so both stay backlogged at the controller; the tokens each is served
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import statistics
 import time
 
@@ -50,10 +51,15 @@ def app_args() -> dict:
 
 @pytest.fixture(scope="module")
 def app(ray_starter):
+    from fairbatch.deployments.serve.cli import direct_ingress_env
+
+    saved = dict(os.environ)
+    port = free_port()
+    direct_ingress_env(port)  # as `fairbatch serve` runs it: no proxy, the ingress on `port`
     ray_starter(num_gpus=2)
     loop = ServerLoop()
     try:
-        base = run_serve_app(app_args(), free_port(), timeout_s=240)
+        base = run_serve_app(app_args(), port, timeout_s=240)
         yield {"base": base, "loop": loop}
     finally:
         from ray import serve
@@ -63,6 +69,8 @@ def app(ray_starter):
             serve.shutdown()
         finally:
             ray.shutdown()
+            os.environ.clear()
+            os.environ.update(saved)
 
 
 def prompt(tenant: str, i: int) -> list[int]:
