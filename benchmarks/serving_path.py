@@ -5,7 +5,8 @@ The same requests (token-id prompts, greedy, `ignore_eos`, a fixed number of str
   * `local_http`: the local HTTP server (`serve_server`, one engine, no Ray) and a streaming
     HTTP client;
   * `serve_http@<ms>`: the Ray Serve app (`build_app`: ingress + controller + replica actors)
-    behind Serve's HTTP proxy, once per stream interval (`--intervals`, default 50 and 0);
+    as `fairbatch serve` runs it (Serve's direct ingress; `--proxy`: behind Serve's HTTP proxy),
+    once per stream interval (`--intervals`, default 50 and 0);
   * `handle@<ms>`: the same app through its handle API (`generate`, streamed) from this driver.
 
 For each: output tokens/s and its ratio to offline; TTFT, TPOT and ITL p50/p99 (ITL: the gaps
@@ -273,15 +274,20 @@ def serve_runs(ids: list[list[int]], wl: dict, paths: list[str]) -> list[dict]:
     rows: list[dict] = []
     n_out = wl["output_len"]
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    port = _free_port()
+    if not wl["proxy"]:  # as `fairbatch serve` runs it
+        from fairbatch.deployments.serve.cli import direct_ingress_env
+
+        direct_ingress_env(port)
     init: dict[str, Any] = {"address": "local", "include_dashboard": False}
     if not cuda_available():
         init["num_gpus"] = wl["replicas"]  # fake GPUs, one per replica
     ray.init(**init)
     loop = _Loop().__enter__()  # one event loop throughout: Serve handles bind to theirs
     try:
-        port = _free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        url = f"http://127.0.0.1:{port}"
+        proxy_port = port if wl["proxy"] else _free_port()  # the idle proxy gets a spare one
+        serve.start(http_options={"host": "127.0.0.1", "port": proxy_port})
+        url = f"http://127.0.0.1:{proxy_port}"
         for interval in wl["intervals"]:
             args = {
                 "model": "tiny",
@@ -290,7 +296,7 @@ def serve_runs(ids: list[list[int]], wl: dict, paths: list[str]) -> list[dict]:
                 "stream_interval_ms": interval,
             }
             handle = serve.run(build_app(args), name=APP_NAME, route_prefix="/")
-            url = ingress_url(APP_NAME, url)
+            url = ingress_url(APP_NAME, f"http://127.0.0.1:{proxy_port}")
             model = "fairbatch-tiny"
             if "serve_http" in paths:
                 loop.run(http_run(url, model, ids[:WARMUP_REQUESTS], wl, 8))
@@ -360,6 +366,7 @@ def workload(args: argparse.Namespace) -> dict:
         "seats": args.max_num_seqs,
         "num_gpu_blocks": args.num_gpu_blocks or 1024,
         "intervals": [float(x) for x in args.intervals.split(",")],
+        "proxy": bool(getattr(args, "proxy", False)),  # Serve's HTTP proxy, not direct ingress
         "greedy": True,
         "ignore_eos": True,
         "prompt": "token ids",

@@ -224,6 +224,12 @@ def _add_bench_serve(bench_sub: argparse._SubParsersAction) -> None:
         "--replicas", type=_positive(int), default=2, help="serving-path: replica actors"
     )
     g.add_argument(
+        "--proxy",
+        action="store_true",
+        help="serving-path: Serve's HTTP proxy in front of the app (default: direct ingress, "
+        "as fairbatch serve runs it)",
+    )
+    g.add_argument(
         "--paths",
         default="offline,local_http,serve_http,handle",
         help="serving-path: which paths to run (default all four)",

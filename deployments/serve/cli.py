@@ -66,6 +66,8 @@ def direct_ingress_env(port: int) -> None:
     os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT", str(port + 64))
     # no load balancer to deregister from: a stopping ingress need not stay up 30 s
     os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "1")
+    # the app's code on the event loop that serves HTTP: no thread hop per message
+    os.environ.setdefault("RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD", "0")
 
 
 def _spare_port(host: str) -> int:
