@@ -265,6 +265,11 @@ def local_http_run(ids: list[list[int]], wl: dict, seats: int) -> dict:
 
 
 def serve_runs(ids: list[list[int]], wl: dict, paths: list[str]) -> list[dict]:
+    port = _free_port()
+    if not wl["proxy"]:  # as `fairbatch serve` runs it; before Ray and Serve are imported
+        from fairbatch.deployments.serve.cli import direct_ingress_env
+
+        direct_ingress_env(port)
     import ray
     from ray import serve
 
@@ -274,11 +279,6 @@ def serve_runs(ids: list[list[int]], wl: dict, paths: list[str]) -> list[dict]:
     rows: list[dict] = []
     n_out = wl["output_len"]
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    port = _free_port()
-    if not wl["proxy"]:  # as `fairbatch serve` runs it
-        from fairbatch.deployments.serve.cli import direct_ingress_env
-
-        direct_ingress_env(port)
     init: dict[str, Any] = {"address": "local", "include_dashboard": False}
     if not cuda_available():
         init["num_gpus"] = wl["replicas"]  # fake GPUs, one per replica

@@ -175,6 +175,12 @@ def parse_app_args(args: dict[str, Any] | ServeAppConfig | None) -> ServeAppConf
         ) from None
 
 
+def _env_on(name: str) -> bool:
+    import os
+
+    return os.environ.get(name, "0").lower() in ("1", "true")
+
+
 def ingress_url(app_name: str, proxy_url: str, timeout_s: float = 60.0) -> str:
     """Where the app's HTTP requests go: Serve's proxy (`proxy_url`), or, with direct ingress
     (`RAY_SERVE_ENABLE_DIRECT_INGRESS=1`, also on under `RAY_SERVE_THROUGHPUT_OPTIMIZED=1`: no
@@ -185,7 +191,11 @@ def ingress_url(app_name: str, proxy_url: str, timeout_s: float = 60.0) -> str:
     import ray
     from ray.serve._private import constants
 
-    if not constants.RAY_SERVE_ENABLE_DIRECT_INGRESS:
+    # the environment, not only the constant: it may have been set after Serve was imported
+    # here (the Serve controller reads it when Ray starts it)
+    if not (
+        constants.RAY_SERVE_ENABLE_DIRECT_INGRESS or _env_on("RAY_SERVE_ENABLE_DIRECT_INGRESS")
+    ):
         return proxy_url
     controller = ray.get_actor(constants.SERVE_CONTROLLER_NAME, namespace=constants.SERVE_NAMESPACE)
     proxy_port = int(proxy_url.rsplit(":", 1)[1])
