@@ -1,0 +1,93 @@
+"""The replica side of the serving plane, driven directly (a `Replica` on a sim engine, no Ray
+cluster): one consumer's requests come out as one message per engine step, and a consumer that
+stops reading is dropped with a clear error before the replica's memory grows without bound."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+pytest.importorskip("ray")
+
+from fairbatch.deployments.cluster.replica import Replica, ReplicaConfig  # noqa: E402
+from fairbatch.deployments.cluster.wire import RequestMeta  # noqa: E402
+from fairbatch.engine.sampling_params import SamplingParams  # noqa: E402
+
+
+def meta(i: int, max_tokens: int) -> RequestMeta:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return RequestMeta(f"r{i}", [10 + i, 20 + i, 30 + i, 40 + i], params)
+
+
+def replica(**kw) -> Replica:
+    cfg = ReplicaConfig(engine="sim", num_gpu_blocks=64, max_num_seqs=4, **kw)
+    return Replica("rep", cfg)
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 60))
+
+
+def test_one_message_per_step_carries_every_request_of_the_consumer():
+    async def main():
+        rep = replica()
+        channel = rep.channel("c1")
+        assert await rep.submit("c1", [meta(i, 12) for i in range(4)]) == [None] * 4
+        messages = []
+        async for msg in channel:
+            messages.append(msg)
+            await asyncio.sleep(0.002)  # a reader slower than the engine: batches grow
+            if sum(1 for m in messages for it in m if it.finished) == 4:
+                break
+        await channel.aclose()
+        await rep.engine.shutdown()
+        return messages, rep
+
+    messages, rep = run(main())
+    items = [it for m in messages for it in m]
+    for i in range(4):  # every request's tokens, in order, ending with its finish
+        mine = [it for it in items if it.request_id == f"r{i}"]
+        assert sum(len(it.token_ids) for it in mine) == 12 and mine[-1].finish_reason == "length"
+    steps = {it.step for it in items}
+    # all four running: from r3's first token to the first finish
+    both = range(min(it.step for it in items if it.request_id == "r3"),
+                 min(it.step for it in items if it.finished) + 1)  # fmt: skip
+    assert len(both) >= 5
+    for step in steps:  # a step's deltas never span two messages...
+        holders = [k for k, m in enumerate(messages) if any(it.step == step for it in m)]
+        assert len(holders) == 1, step
+        if step in both:  # ...and carry every running request of the consumer
+            assert len({it.request_id for it in messages[holders[0]] if it.step == step}) == 4
+    assert len(messages) <= len(steps) and len(messages) < len(items)
+    assert rep.core.scheduler.kv.all_free()
+
+
+def test_a_consumer_that_stops_reading_is_dropped_with_an_error():
+    async def main():
+        rep = replica()
+        rep.unread_items_per_seat = 5  # an outbox of 20 items at most (4 seats)
+        channel = rep.channel("slow")
+        assert await rep.submit("slow", [meta(i, 400) for i in range(4)]) == [None] * 4
+        box = rep._boxes["slow"]
+        largest = 0
+        for _ in range(400):  # the engine runs; nobody reads
+            largest = max(largest, len(box.items))
+            if not box.requests:
+                break
+            await asyncio.sleep(0.005)
+        assert not box.requests, "the stalled consumer's requests were not dropped"
+        got = await channel.__anext__()  # what it finds when it reads again
+        await channel.aclose()
+        await rep.engine.shutdown()
+        return rep, box, got, largest
+
+    rep, box, got, largest = run(main())
+    assert largest <= box.limit == 20  # bounded: never more than the limit held
+    assert sorted(it.request_id for it in got) == ["r0", "r1", "r2", "r3"]  # unread dropped
+    for it in got:
+        assert it.finished and it.finish_reason == "error"
+        assert "stopped reading" in it.error and "20 unread items" in it.error
+    rep.core.check_integrity()
+    assert rep.core.scheduler.kv.all_free()  # aborted: every block back
+    assert rep.core.scheduler.num_waiting == 0 and not rep.core.scheduler.running
