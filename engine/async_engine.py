@@ -90,15 +90,16 @@ class AsyncEngine:
         async for delta in self._stream(migrated.request.request_id, add):
             yield delta
 
-    async def add(self, add: Callable[[], Any]) -> None:
-        """Run `add` (an EngineCore add/import) on the engine thread; the request's deltas go
-        to the sink. Raises what `add` raises (ValueError for a bad request)."""
+    async def add(self, add: Callable[[], Any]) -> Any:
+        """Run `add` (EngineCore adds/imports) on the engine thread; the requests' deltas go to
+        the sink. Returns what `add` returns, raises what it raises."""
         self._ensure_started()
         if self._error is not None:
             raise EngineDeadError(str(self._error))
-        await self.call(add)
+        result = await self.call(add)
         assert self._wake is not None
         self._wake.set()
+        return result
 
     async def _stream(self, rid: str, add: Callable[[], Any]) -> AsyncIterator[RequestDelta]:
         if rid in self._streams:

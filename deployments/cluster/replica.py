@@ -180,11 +180,12 @@ class Replica:
         consumer's actor handle, watched so its requests end if it dies; None for a driver."""
         self._start_reporter()
         box = self._outbox(consumer, owner)
-        errors: list[str | None] = []
-        for meta in metas:
+        errors: list[str | None] = [None] * len(metas)
+        batch: list[tuple[int, str, tuple, int, Any]] = []
+        for i, meta in enumerate(metas):
             rid = meta.request_id
-            if rid in self._routes:
-                errors.append(f"duplicate request id {rid!r}")
+            if rid in self._routes or any(rid == b[1] for b in batch):
+                errors[i] = f"duplicate request id {rid!r}"
                 continue
             if meta.output_ids:
                 add = functools.partial(self.core.import_request, self._resubmitted(meta))
@@ -199,7 +200,9 @@ class Replica:
                     cache_salt=meta.cache_salt,
                 )
             meta_row = (meta.tenant, meta.priority, meta.params.max_tokens)
-            errors.append(await self._add(box, rid, meta_row, len(meta.output_ids), add))
+            batch.append((i, rid, meta_row, len(meta.output_ids), add))
+        for i, error in zip((b[0] for b in batch), await self._add_all(box, batch)):
+            errors[i] = error
         return errors
 
     async def adopt(self, consumer: str, migrated: Any, owner: Any = None) -> str | None:
@@ -243,20 +246,39 @@ class Replica:
         return MigratedRequest(request)
 
     async def _add(self, box: Outbox, rid: str, meta_row: tuple, num_out: int, add) -> str | None:
-        # Routed before it is added: its first step may end before this coroutine resumes.
-        self._routes[rid] = _Route(box, num_out)
-        box.requests.add(rid)
-        self._meta[rid] = meta_row
+        return (await self._add_all(box, [(0, rid, meta_row, num_out, add)]))[0]
+
+    async def _add_all(self, box: Outbox, batch: list[tuple]) -> list[str | None]:
+        """Add a batch of requests in one trip to the engine thread; why each was refused,
+        or None."""
+        # Routed before they are added: a first step may end before this coroutine resumes.
+        for _, rid, meta_row, num_out, _ in batch:
+            self._routes[rid] = _Route(box, num_out)
+            box.requests.add(rid)
+            self._meta[rid] = meta_row
         self._changed = True
+
+        def add_all() -> list[str | None]:
+            out: list[str | None] = []
+            for *_, add in batch:
+                try:
+                    add()
+                    out.append(None)
+                except Exception as e:  # a bad request: the others still go in
+                    out.append(f"{type(e).__name__}: {e}")
+            return out
+
         try:
-            await self.engine.add(add)
-        except Exception as e:
-            self._routes.pop(rid, None)
-            box.requests.discard(rid)
-            self._meta.pop(rid, None)
-            return f"{type(e).__name__}: {e}"
+            errors = await self.engine.add(add_all)
+        except Exception as e:  # the engine is dead
+            errors = [f"{type(e).__name__}: {e}"] * len(batch)
+        for (_, rid, *_), error in zip(batch, errors):
+            if error is not None:
+                self._routes.pop(rid, None)
+                box.requests.discard(rid)
+                self._meta.pop(rid, None)
         self._watch(box)
-        return None
+        return errors
 
     @ray_method(
         num_returns="streaming",

@@ -91,3 +91,26 @@ def test_a_consumer_that_stops_reading_is_dropped_with_an_error():
     rep.core.check_integrity()
     assert rep.core.scheduler.kv.all_free()  # aborted: every block back
     assert rep.core.scheduler.num_waiting == 0 and not rep.core.scheduler.running
+
+
+def test_one_bad_request_in_a_batch_is_refused_alone():
+    async def main():
+        rep = replica()
+        channel = rep.channel("c")
+        too_long = RequestMeta("long", list(range(10, 2010)), SamplingParams(max_tokens=4))
+        errors = await rep.submit("c", [meta(0, 6), too_long, meta(0, 6), meta(1, 6)])
+        items = []
+        async for msg in channel:
+            items.extend(msg)
+            if sum(1 for it in items if it.finished) == 2:
+                break
+        await channel.aclose()
+        await rep.engine.shutdown()
+        return rep, errors, items
+
+    rep, errors, items = run(main())
+    assert errors[0] is None and errors[3] is None
+    assert errors[1].startswith("ValueError") and "r0" in errors[2] and "duplicate" in errors[2]
+    done = {it.request_id: it.finish_reason for it in items if it.finished}
+    assert done == {"r0": "length", "r1": "length"}  # the good ones ran, nothing of the others
+    assert "long" not in rep._routes and rep.core.scheduler.kv.all_free()
