@@ -70,7 +70,7 @@ def run_one(
         out = sched.schedule()
         sched.update_from_output(out, runner.execute(out))
     gc.collect()
-    gc.freeze()  # long-lived queued objects out of the collector's way (see NOTES.md)
+    gc.freeze()  # long-lived queued objects out of the collector's way (full collections stall)
     times = []
     for step in range(warmup + steps):
         if step == warmup:

@@ -27,7 +27,7 @@ tokens after c_r already cached ones:
 
 Why max and not a sum for swaps: the runner issues swap copies on their own CUDA stream with a
 per-layer event, so layer l of the forward waits only for layer l's blocks and the copies
-pipeline with compute (DESIGN.md, "The step"). The one-layer fill latency (swap_s / L) is
+pipeline with compute (docs/ARCHITECTURE.md, "The step"). The one-layer fill latency (swap_s / L) is
 ignored. Swap-in and swap-out are summed although PCIe is full duplex: conservative, and the
 scheduler rarely does both in one step (it admits nothing in a step that preempted).
 

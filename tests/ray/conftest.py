@@ -1,6 +1,6 @@
 """Ray tests: one local Ray per test module, fake GPUs, no auth, no usage stats, a private tmp.
 
-Set before ray is imported anywhere in the session (NOTES.md: Ray 2.60 turns token auth on by
+Set before ray is imported anywhere in the session (Ray 2.60 turns token auth on by
 default, and the default temp dir is shared with other engineers' runs).
 """
 
