@@ -571,3 +571,28 @@ def test_prefix_cache_is_shared_within_a_group_and_nowhere_else(env):
     assert got == (n - 1) // 16 * 16
     assert app.state.registry.total_in_flight == 0
     wait_for(lambda: engine_idle(env), "the engine to go idle")
+
+
+@pytest.mark.parametrize("interval_ms", [0, 200])
+def test_coalesced_stream_is_the_same_completion_with_aligned_logprobs(env, interval_ms):
+    """`stream_interval_ms` merges a request's deltas into fewer SSE chunks: the same text and
+    logprobs as the non-streamed completion, every chunk's logprobs with its own text."""
+    loop, _ = env
+    app = create_app(env[1], {"stream_interval_ms": interval_ms})
+    c = client(loop.serve(app))
+    kwargs = dict(model=MODEL, prompt="coalesce these", max_tokens=32, temperature=0, logprobs=1)
+    kwargs["extra_body"] = {"ignore_eos": True}
+    full = c.completions.create(**kwargs).choices[0]
+    chunks = [ch.choices[0] for ch in c.completions.create(stream=True, **kwargs) if ch.choices]
+    assert "".join(ch.text for ch in chunks) == full.text
+    streamed = [t for ch in chunks if ch.logprobs for t in ch.logprobs.token_logprobs]
+    assert streamed == pytest.approx(full.logprobs.token_logprobs)  # all 32, in order
+    for ch in chunks:  # a chunk never carries tokens whose text is held back for later
+        if ch.logprobs and ch.logprobs.tokens:
+            assert ch.text != "" or ch.finish_reason is not None
+    content = [ch for ch in chunks if ch.text]
+    print(f"interval {interval_ms} ms: {len(content)} chunks with text for 32 tokens")
+    if interval_ms == 0:
+        assert len(content) >= 24  # about one chunk per token (a few wait for their text)
+    else:  # 32 tokens of the tiny model take far less than 200 ms a chunk
+        assert len(content) <= 16
