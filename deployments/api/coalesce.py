@@ -62,9 +62,10 @@ def _ready(pending: list[Any]) -> bool:
 async def coalesce(
     deltas: AsyncIterator[Any], interval_s: float, clock=None, sleep=asyncio.sleep
 ) -> AsyncIterator[Any]:
-    """`deltas` merged as described above. Closing this iterator stops reading `deltas` (a
-    read in progress is cancelled); the caller closes `deltas` itself. `clock` and `sleep`
-    (the loop's by default) are for tests."""
+    """`deltas` merged as described above. Closing this iterator stops reading `deltas`: a
+    read in progress is cancelled, and with an interval `deltas` is closed here (its reader
+    is a task of its own); without one the caller closes it. `clock` and `sleep` (the loop's
+    by default) are for tests."""
     if interval_s <= 0:
         pending: list[Any] = []
         async for d in deltas:
@@ -82,12 +83,24 @@ async def coalesce(
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
 
+    stopping = False
+
     async def pump() -> None:
         try:
             async for d in deltas:
                 queue.put_nowait(d)
+                if stopping:
+                    break
         except Exception as e:  # raised to the reader in order
             queue.put_nowait(e)
+        finally:
+            # Stopped early: close what it read here, where nothing else iterates it. (Its
+            # cancellation alone is not enough: asyncio.wait_for in Python 3.11 swallows a
+            # cancel that coincides with a result, and a pump left running would read the
+            # request to its end.)
+            if stopping:
+                with contextlib.suppress(Exception):
+                    await deltas.aclose()
         queue.put_nowait(done)
 
     def is_end(item: Any) -> bool:
@@ -127,6 +140,7 @@ async def coalesce(
             if tail is done:
                 return
     finally:
+        stopping = True
         reader.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await reader

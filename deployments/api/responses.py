@@ -54,9 +54,14 @@ class ResponseRun:
         await close_stream(self.it)
 
     async def deltas(self) -> AsyncIterator[Any]:
-        yield self.first
-        async for d in self.it:
-            yield d
+        """The first delta, then the backend's; closing this closes the backend stream (which
+        aborts the request unless it finished)."""
+        try:
+            yield self.first
+            async for d in self.it:
+                yield d
+        finally:
+            await close_stream(self.it)
 
     def account(self, delta: Any) -> None:
         self.ticket.charge(len(delta.token_ids))

@@ -148,8 +148,8 @@ class ClusterClient:
                 try:
                     await link.submit(meta)
                     while True:
-                        if queue.empty():  # (wait_for costs a task: only when waiting)
-                            item = await asyncio.wait_for(queue.get(), self.item_timeout_s)
+                        if queue.empty():  # (a timeout costs a task: only when waiting)
+                            item = await _get(queue, self.item_timeout_s)
                         else:
                             item = queue.get_nowait()
                         if isinstance(item, LinkLost):
@@ -255,6 +255,18 @@ class ClusterClient:
                 handle.abort.remote(request_id)
         except Exception:
             pass
+
+
+async def _get(queue: asyncio.Queue, timeout_s: float) -> Any:
+    """`queue.get()` within `timeout_s` (asyncio.TimeoutError). On Python 3.11+ with
+    `asyncio.timeout`, which never swallows a cancellation; `asyncio.wait_for` there returns the
+    item instead when the cancel and the item come in the same turn, and a stream cancelled
+    that way would run to its end."""
+    timeout = getattr(asyncio, "timeout", None)
+    if timeout is None:  # Python 3.10
+        return await asyncio.wait_for(queue.get(), timeout_s)
+    async with timeout(timeout_s):
+        return await queue.get()
 
 
 class AdmissionBatcher:

@@ -31,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from fairbatch.deployments.api.coalesce import coalesce
 from fairbatch.deployments.api.config import format_validation_error
+from fairbatch.deployments.api.http import close_stream
 from fairbatch.deployments.api.schemas import ApiError
 from fairbatch.deployments.api.tenants import Admission, Rejected
 from fairbatch.engine.sampling_params import SamplingParams
@@ -182,7 +183,7 @@ class HandleApi:
             api.registry.release(ticket)
             api.finish_log(ticket, outcome)
             await asyncio.shield(merged.aclose())
-            await asyncio.shield(it.aclose())
+            await close_stream(it)  # (closed already if the coalescer's reader stopped it)
 
     @staticmethod
     async def _prompt_ids(api: Any, req: GenerateRequest) -> list[int]:

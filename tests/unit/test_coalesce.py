@@ -134,3 +134,33 @@ def test_a_failed_ending_is_not_merged_into_the_text_before_it(interval, want):
     chunks = run(collect(coalesce(gen(items), interval, clock=lambda: 0.0)))
     assert shape(chunks) == want  # the text still reaches the client, then the failure
     assert chunks[-1].finish_reason == "abort"
+
+
+def test_a_reader_whose_cancel_is_swallowed_still_stops_and_closes_the_backend():
+    closed: list[bool] = []
+    produced: list[int] = []
+
+    async def stubborn():  # swallows a cancellation, as asyncio.wait_for can on Python 3.11
+        try:
+            for i in range(1000):
+                try:
+                    await asyncio.sleep(0.001)
+                except asyncio.CancelledError:
+                    pass
+                produced.append(i)
+                yield d([i], str(i))
+        finally:
+            closed.append(True)
+
+    async def main():
+        it = coalesce(stubborn(), 0.05)
+        await it.__anext__()
+        await it.aclose()
+        for _ in range(100):
+            if closed:
+                break
+            await asyncio.sleep(0.01)
+
+    run(main())
+    assert closed == [True]  # closed by the reader itself: the request is aborted
+    assert len(produced) < 50  # not read to its end
