@@ -254,14 +254,12 @@ def local_http_run(ids: list[list[int]], wl: dict, seats: int) -> dict:
 
     engine = {"max_num_seqs": seats, "num_gpu_blocks": wl["num_gpu_blocks"]}
     config = {"model": "tiny", "engine": engine, "stream_interval_ms": wl["intervals"][0]}
-    with LocalServer(config) as url:
+    server = LocalServer(config)
+    with server as url:
         model = "fairbatch-tiny"
         asyncio.run(http_run(url, model, ids[:WARMUP_REQUESTS], wl, 8))
         fn = functools.partial(_sync, http_run, url, model, ids, wl, wl["output_len"])
-        pid = None
-        for proc in __import__("psutil").Process().children(recursive=True):
-            pid = proc.pid  # the server subprocess
-        return measure("local_http", fn, wl, server_pid=pid)
+        return measure("local_http", fn, wl, server_pid=server.proc.pid)
 
 
 def serve_runs(ids: list[list[int]], wl: dict, paths: list[str]) -> list[dict]:
@@ -273,43 +271,49 @@ def serve_runs(ids: list[list[int]], wl: dict, paths: list[str]) -> list[dict]:
     import ray
     from ray import serve
 
-    from fairbatch.deployments.serve.app import APP_NAME, build_app, ingress_url
     from fairbatch.deployments.serve.cli import cuda_available
 
-    rows: list[dict] = []
-    n_out = wl["output_len"]
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     init: dict[str, Any] = {"address": "local", "include_dashboard": False}
     if not cuda_available():
         init["num_gpus"] = wl["replicas"]  # fake GPUs, one per replica
     ray.init(**init)
-    loop = _Loop().__enter__()  # one event loop throughout: Serve handles bind to theirs
     try:
-        proxy_port = port if wl["proxy"] else _free_port()  # the idle proxy gets a spare one
-        serve.start(http_options={"host": "127.0.0.1", "port": proxy_port})
-        url = f"http://127.0.0.1:{proxy_port}"
-        for interval in wl["intervals"]:
-            args = {
-                "model": "tiny",
-                "num_replicas": wl["replicas"],
-                "engine": {"max_num_seqs": wl["seats"], "num_gpu_blocks": wl["num_gpu_blocks"]},
-                "stream_interval_ms": interval,
-            }
-            handle = serve.run(build_app(args), name=APP_NAME, route_prefix="/")
-            url = ingress_url(APP_NAME, f"http://127.0.0.1:{proxy_port}")
-            model = "fairbatch-tiny"
-            if "serve_http" in paths:
-                loop.run(http_run(url, model, ids[:WARMUP_REQUESTS], wl, 8))
-                run = functools.partial(loop.run, http_run(url, model, ids, wl, n_out))
-                rows.append(measure(f"serve_http@{interval:g}ms", run, wl))
-            if "handle" in paths:
-                loop.run(handle_run(handle, ids[:WARMUP_REQUESTS], wl, 8))
-                run = functools.partial(loop.run, handle_run(handle, ids, wl, n_out))
-                rows.append(measure(f"handle@{interval:g}ms", run, wl))
+        with _Loop() as loop:  # one event loop throughout: Serve handles bind to theirs
+            rows = _serve_paths(loop, ids, wl, paths, port)
         serve.shutdown()
     finally:
-        loop.__exit__()
         ray.shutdown()
+    return rows
+
+
+def _serve_paths(loop: _Loop, ids: list[list[int]], wl: dict, paths: list[str], port: int):
+    from ray import serve
+
+    from fairbatch.deployments.serve.app import APP_NAME, build_app, ingress_url
+
+    rows: list[dict] = []
+    n_out = wl["output_len"]
+    proxy_port = port if wl["proxy"] else _free_port()  # the idle proxy gets a spare one
+    serve.start(http_options={"host": "127.0.0.1", "port": proxy_port})
+    for interval in wl["intervals"]:
+        args = {
+            "model": "tiny",
+            "num_replicas": wl["replicas"],
+            "engine": {"max_num_seqs": wl["seats"], "num_gpu_blocks": wl["num_gpu_blocks"]},
+            "stream_interval_ms": interval,
+        }
+        handle = serve.run(build_app(args), name=APP_NAME, route_prefix="/")
+        url = ingress_url(APP_NAME, f"http://127.0.0.1:{proxy_port}")
+        model = "fairbatch-tiny"
+        if "serve_http" in paths:
+            loop.run(http_run(url, model, ids[:WARMUP_REQUESTS], wl, 8))
+            run = functools.partial(loop.run, http_run(url, model, ids, wl, n_out))
+            rows.append(measure(f"serve_http@{interval:g}ms", run, wl))
+        if "handle" in paths:
+            loop.run(handle_run(handle, ids[:WARMUP_REQUESTS], wl, 8))
+            run = functools.partial(loop.run, handle_run(handle, ids, wl, n_out))
+            rows.append(measure(f"handle@{interval:g}ms", run, wl))
     return rows
 
 

@@ -182,11 +182,13 @@ class Replica:
         box = self._outbox(consumer, owner)
         errors: list[str | None] = [None] * len(metas)
         batch: list[tuple[int, str, tuple, int, Any]] = []
+        seen: set[str] = set()
         for i, meta in enumerate(metas):
             rid = meta.request_id
-            if rid in self._routes or any(rid == b[1] for b in batch):
+            if rid in self._routes or rid in seen:
                 errors[i] = f"duplicate request id {rid!r}"
                 continue
+            seen.add(rid)
             if meta.output_ids:
                 add = functools.partial(self.core.import_request, self._resubmitted(meta))
             else:
@@ -220,7 +222,7 @@ class Replica:
         meta_row = (request.tenant, request.priority, request.max_tokens)
         add = functools.partial(self.core.import_request, migrated)
         box = self._outbox(consumer, owner)
-        return await self._add(box, rid, meta_row, request.num_output_tokens, add)
+        return (await self._add_all(box, [(0, rid, meta_row, request.num_output_tokens, add)]))[0]
 
     def _resubmitted(self, meta: RequestMeta) -> MigratedRequest:
         """A request whose replica died: prompt + tokens already delivered, recomputed here.
@@ -244,9 +246,6 @@ class Replica:
             request.append_output_token(token)
         request.num_prompt_charged = request.num_prompt_tokens  # charged on the first replica
         return MigratedRequest(request)
-
-    async def _add(self, box: Outbox, rid: str, meta_row: tuple, num_out: int, add) -> str | None:
-        return (await self._add_all(box, [(0, rid, meta_row, num_out, add)]))[0]
 
     async def _add_all(self, box: Outbox, batch: list[tuple]) -> list[str | None]:
         """Add a batch of requests in one trip to the engine thread; why each was refused,
@@ -442,13 +441,18 @@ class Replica:
         # Held here until the destination has surely read it: the ref travels nested in a
         # channel message, and Ray freed such objects before the borrower resolved them
         # (ReferenceCountingAssertionError under overload).
-        now = time.monotonic()
-        self._exports = [(t, r) for t, r in self._exports if now - t < self.export_hold_s]
-        self._exports.append((now, ref))
+        self._prune_exports()
+        self._exports.append((time.monotonic(), ref))
         self._end(request_id, Moved(request_id, dst_id, dst, ref))
         return True
 
     export_hold_s = 300.0  # how long a migrated request's object stays pinned at its source
+
+    def _prune_exports(self) -> None:
+        """Unpin migrated requests' objects older than `export_hold_s` (on the event loop)."""
+        if self._exports:
+            now = time.monotonic()
+            self._exports = [(t, r) for t, r in self._exports if now - t < self.export_hold_s]
 
     async def set_tenant_counters(self, counters: dict[str, float]) -> None:
         await self.engine.call(self.core.scheduler.set_tenant_counters, counters)
@@ -516,6 +520,7 @@ class Replica:
         handle = None
         while True:
             await asyncio.sleep(cfg.report_interval_s)
+            self._prune_exports()  # also when no migration comes after the last one
             now = time.monotonic()
             if not self._changed and now - last_sent < cfg.heartbeat_s:
                 continue
