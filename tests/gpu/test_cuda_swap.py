@@ -30,11 +30,49 @@ def test_swap_round_trip_on_cuda(dtype):
     assert data.shape == (3, 2, 2, 16, 4, 64)
 
 
+# Greedy outputs under preemption are compared with an unpreempted run by their logprobs, not
+# bit for bit: a preempted run computes the same sequences in other batch compositions, and
+# neither cuBLAS nor flash attention promises the same bf16 rounding across batch shapes (the
+# tiny model's bf16 logits even tie exactly now and then). What a correct swap or recompute
+# does promise is the same model up to that rounding:
+#   * while the tokens agree, each one's logprob agrees within LP_TOL (a few bf16 ulps of the
+#     logits; measured in bf16 on CPU, this test's runs: under 0.07), and
+#   * where they first differ, both runs saw a near-tie: each one's token is in the other's
+#     top-TOP_N, and each token is within 2 x LP_TOL of the other in both runs (a flip needs
+#     the two logprobs to cross, so each gap is at most the noise of the two runs added up).
+# After a legitimate flip the contexts differ, so that request is not compared further. A swap
+# that brings back wrong K/V fails this (tried in bf16 on CPU: zeroing one swapped-in block, or
+# only its last slot, or adding noise of std 0.05 to it, each fails the check).
+LP_TOL = 0.25
+TOP_N = 5
+
+
+def _top(entry: list[tuple[int, float]]) -> dict[int, float]:
+    return dict(entry[1:])  # entry: [(sampled, lp), (top1, lp), ...]
+
+
+def assert_same_model_output(got, ref, what: str) -> None:
+    """Raises unless each of `got` is `ref` up to bf16 rounding (see above)."""
+    for a, b in zip(got, ref, strict=True):
+        assert len(a.token_ids) == len(b.token_ids) == len(a.logprobs) == len(b.logprobs)
+        for i, (ea, eb) in enumerate(zip(a.logprobs, b.logprobs)):
+            (ta, lpa), (tb, lpb) = ea[0], eb[0]
+            where = f"{what}, {b.request_id} token {i}"
+            if ta == tb:
+                assert abs(lpa - lpb) <= LP_TOL, f"{where}: logprob {lpa} vs {lpb}"
+                continue
+            top_a, top_b = _top(ea), _top(eb)
+            assert tb in top_a and ta in top_b, f"{where}: {ta} vs {tb}, not in each other's top"
+            assert lpb - top_b[ta] <= 2 * LP_TOL, f"{where}: {ta} is no near-tie in the reference"
+            assert lpa - top_a[tb] <= 2 * LP_TOL, f"{where}: {tb} is no near-tie in this run"
+            break  # contexts differ from here on
+
+
 @cuda
 def test_engine_generate_on_cuda_matches_with_swap_and_recompute():
     from fairbatch.engine import LLM, SamplingParams
 
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=TOP_N)
     prompts = [f"request {i} on the gpu path" * (1 + i % 3) for i in range(12)]
     ref = LLM("tiny", device="cuda", num_gpu_blocks=512).generate(prompts, params)
     for mode in ("swap", "recompute"):
@@ -43,6 +81,8 @@ def test_engine_generate_on_cuda_matches_with_swap_and_recompute():
         )
         got = llm.generate(prompts, params)
         assert llm.engine.scheduler.num_preemptions[mode] > 0
-        # bf16 on CUDA: recompute may flip a near-tie; swap must be exact
-        same = sum(a.token_ids == b.token_ids for a, b in zip(got, ref))
-        assert same == len(ref) if mode == "swap" else same >= len(ref) - 1
+        if mode == "swap":
+            assert llm.engine.runner.cache.bytes_swapped["in"] > 0
+        assert_same_model_output(got, ref, mode)
+        llm.engine.check_integrity()
+        assert llm.engine.scheduler.kv.all_free()
