@@ -3,14 +3,17 @@
 One run: build a workload (a named scenario from `serve_scenarios`, or custom arrivals and
 lengths), start a local fairbatch server for it (`serve_server.LocalServer`) unless `--url`
 names one, calibrate the scenario's capacity, send it (`serve_client.run_requests`), read the
-server's counters around the run, and write OUT/result.json (`serve_metrics.summarize_run`
-plus the workload, the command and per-request rows) and PNG plots (`serve_plots`).
-Comparisons (`--compare`) are in `serve_compare`.
+server's counters around the run, and write OUT/result.json (a summary: `serve_metrics.
+summarize_run` plus the workload and the command) and PNG plots (`serve_plots`); with
+`--raw-out FILE`, one JSON line per request to FILE. Comparisons (`--compare`) are in
+`serve_compare`.
 
 result.json of a run: {"kind": "run", "meta": {date_utc, command, loadavg_start, loadavg_end,
 cpus, python, machine, target, model, server}, "workload": {scenario or custom settings,
 tenants, num_requests, ...}, "summary": summarize_run's dict, "window": who got what while
-the arrivals lasted (`window_service`), "requests": one row per request, "plots": [PNG names]}.
+the arrivals lasted (`window_service`), "plots": [PNG names]}. Floats are kept to 6
+significant digits, and a container that fits on one line is written on one, so the file is
+small enough to commit. Per-request rows (`request_rows`) never go into result.json.
 """
 
 from __future__ import annotations
@@ -405,7 +408,7 @@ def batch_tokens(target: Target, specs: Sequence[RequestSpec]) -> int | None:
 
 
 def request_rows(results: Sequence[RequestResult]) -> list[dict]:
-    """One compact row per request for result.json (no prompt text, no chunk times)."""
+    """One compact row per request for --raw-out (no prompt text, no chunk times)."""
     rows = []
     for r in results:
         s = r.spec
@@ -487,7 +490,32 @@ def out_dir(args: Any) -> Path:
 
 
 def write_json(path: Path, data: dict) -> None:
-    path.write_text(json.dumps(data, indent=1, default=_json_default) + "\n")
+    path.write_text(compact_json(json.loads(json.dumps(data, default=_json_default))) + "\n")
+
+
+def compact_json(x: Any, level: int = 0, width: int = 100) -> str:
+    """JSON with floats to 6 significant digits; a container that fits in `width` columns
+    stays on one line, a longer one has one item per line."""
+    x = _rounded(x)
+    one = json.dumps(x)
+    if not isinstance(x, (dict, list)) or not x or level + len(one) <= width:
+        return one
+    pad = " " * (level + 1)
+    if isinstance(x, dict):
+        items = [f"{pad}{json.dumps(k)}: {compact_json(v, level + 1, width)}" for k, v in x.items()]
+        return "{\n" + ",\n".join(items) + "\n" + " " * level + "}"
+    items = [pad + compact_json(v, level + 1, width) for v in x]
+    return "[\n" + ",\n".join(items) + "\n" + " " * level + "]"
+
+
+def _rounded(x: Any) -> Any:
+    if isinstance(x, float) and x == x and abs(x) != float("inf"):
+        return float(f"{x:.6g}")
+    if isinstance(x, dict):
+        return {k: _rounded(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_rounded(v) for v in x]
+    return x
 
 
 def _json_default(x: Any) -> Any:
@@ -496,6 +524,26 @@ def _json_default(x: Any) -> Any:
     if isinstance(x, (set, tuple)):
         return list(x)
     return str(x)
+
+
+def write_results(args: Any, out: Path, result: dict) -> str:
+    """OUT/result.json gets the summary. The per-request rows (`requests`, or each compared
+    run's under `runs`) are taken out of it: they go to `--raw-out` as JSON lines (a
+    comparison's rows carry their run's label) or nowhere. Returns what was written, for the
+    closing line."""
+    rows = result.pop("requests", None) or []
+    for label, run in (result.pop("runs", None) or {}).items():
+        rows += [{"run": label, **r} for r in run.get("requests", ())]
+    write_json(out / "result.json", result)
+    wrote = str(out / "result.json")
+    if args.raw_out:
+        raw = Path(args.raw_out)
+        raw.parent.mkdir(parents=True, exist_ok=True)
+        with raw.open("w", encoding="utf-8") as f:
+            for row in rows:
+                f.write(json.dumps(row, default=_json_default) + "\n")
+        wrote += f", {len(rows)} request rows to {raw}"
+    return wrote
 
 
 def run_single(args: Any) -> int:
@@ -529,12 +577,9 @@ def run_single(args: Any) -> int:
             phase["results"], weights, out, _title(wl), (result["window"] or {}).get("t_end_s")
         )
     )
-    write_json(out / "result.json", result)
+    wrote = write_results(args, out, result)
     print(serve_report.format_run(result))
-    print(
-        f"\nwrote {out / 'result.json'}"
-        + (f" and {len(result['plots'])} plots" if result["plots"] else "")
-    )
+    print(f"\nwrote {wrote}" + (f" and {len(result['plots'])} plots" if result["plots"] else ""))
     return 0
 
 
@@ -576,6 +621,8 @@ def check_args(args: Any) -> None:
         raise UsageError("--keys applies to --url (the local server makes its own keys)")
     if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
         raise UsageError(f"--out {args.out} exists and is not a directory")
+    if args.raw_out and Path(args.raw_out).is_dir():
+        raise UsageError(f"--raw-out {args.raw_out} is a directory: name a file")
 
 
 def main(args: Any) -> int:

@@ -17,8 +17,11 @@
 * `summary`: the engine benchmark (`fairbatch bench engine --json`) and the cluster benchmark
   (`fairbatch bench cluster --json`) from their JSON files, in one table each.
 
-Each writes OUT/result.json ({"kind": "compare", "compare", "meta", "workload", "runs":
-{label: {"engine", "summary", "window"}}, "table": rows, "plots"}) and prints Markdown tables.
+Each writes OUT/result.json ({"kind": "compare", "compare", "meta", "workload", "table": rows,
+"plots"}: the printed tables' rows, a summary to commit) and prints Markdown tables. The
+per-run records (`runs`: {label: {"engine", "summary", "window", "errors", "requests"}}) are
+what the tables are made from; they stay out of result.json, and with `--raw-out FILE` their
+request rows go to FILE, each with its run's label.
 """
 
 from __future__ import annotations
@@ -51,9 +54,9 @@ def run(args: argparse.Namespace) -> int:
     out = B.out_dir(args)
     text = compare(args, result, out)
     result["meta"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
-    B.write_json(out / "result.json", result)
+    wrote = B.write_results(args, out, result)
     print(text)
-    print(f"\nwrote {out / 'result.json'}" + "".join(f", {p}" for p in result.get("plots", [])))
+    print(f"\nwrote {wrote}" + "".join(f", {p}" for p in result.get("plots", [])))
     return 0
 
 
@@ -69,6 +72,7 @@ def _phase_record(engine: dict | None, phase: dict, wl: B.Workload) -> dict:
         "summary": phase["summary"],
         "window": B.window_service(phase["results"], wl),
         "errors": B.error_counts(phase["results"]),
+        "requests": B.request_rows(phase["results"]),  # for --raw-out only
     }
 
 

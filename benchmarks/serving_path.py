@@ -17,7 +17,7 @@ controller, ingress, proxy; `client` is this process; `ray_system` everything el
 `server` the local HTTP server). `replica_share` is the replicas' CPU over the machine's
 (cores x wall time): how much of the machine went to the model while requests were queued.
 
-Writes OUT/result.json and OUT/serving_path.png, prints a Markdown table.
+Writes OUT/result.json (the table's rows) and OUT/serving_path.png, prints a Markdown table.
 """
 
 from __future__ import annotations
@@ -457,7 +457,6 @@ def run(args: argparse.Namespace, result: dict, out: Path) -> str:
             r["x_offline"] = round(r["output_tok_s"] / offline["output_tok_s"], 3)
     result["workload"] = wl
     result["table"] = rows
-    result["runs"] = {r["path"]: r for r in rows}
     if not args.no_plots and rows:
         plot(rows, out / "serving_path.png")
         result["plots"] = ["serving_path.png"]

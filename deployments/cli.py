@@ -208,7 +208,16 @@ def _add_bench_serve(bench_sub: argparse._SubParsersAction) -> None:
     g.add_argument("--slo-ttft", type=_positive(float), metavar="MS", help="goodput SLO: TTFT")
     g.add_argument("--slo-tpot", type=_positive(float), metavar="MS", help="goodput SLO: TPOT")
     g.add_argument("--slo-e2e", type=_positive(float), metavar="MS", help="goodput SLO: e2e")
-    g.add_argument("--out", help="output directory (default serve-bench/<UTC time>)")
+    g.add_argument(
+        "--out",
+        help="output directory for result.json (a summary) and the plots "
+        "(default serve-bench/<UTC time>)",
+    )
+    g.add_argument(
+        "--raw-out",
+        metavar="FILE",
+        help="also write one JSON line per request to FILE (not into result.json)",
+    )
     g.add_argument("--no-plots", action="store_true")
     g.add_argument("--no-progress", action="store_true")
     g = srv.add_argument_group("comparisons (each in one command)")

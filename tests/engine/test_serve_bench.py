@@ -6,8 +6,8 @@ lost); each completion has exactly its max_tokens (ignore_eos) and the prompt to
 server's tokenizer gives; a streamed chunk carries at least one token, so chunks <= completion
 tokens (the server holds text back at an incomplete UTF-8 character, so fewer chunks than
 tokens is normal); the server's prefix-cache hits over a sequential shared-prefix run equal
-exactly what whole-block caching must give; result.json has its documented keys and the PNGs
-are PNGs.
+exactly what whole-block caching must give; result.json has its documented keys (a summary:
+no per-request rows, which go to --raw-out) and the PNGs are PNGs.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ CAPPED = TenantPlan("capped", tokens_per_minute=60.0)  # a bucket of 60 tokens, 
 KEYS = {t.name: tenant_key(t.name) for t in [*TENANTS, CAPPED]}
 ENGINE = {"policy": "weighted_fair", "max_num_seqs": 8, "num_gpu_blocks": 512}
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-RUN_KEYS = {"kind", "meta", "workload", "summary", "window", "requests", "plots"}
+RUN_KEYS = {"kind", "meta", "workload", "summary", "window", "plots"}
 SUMMARY_KEYS = {
     "duration_s", "requests", "throughput", "tenants", "jain_index", "max_service_difference",
     "vtc_bound", "server",
@@ -142,6 +142,11 @@ def read_png_size(path: Path) -> tuple[int, int]:
     return struct.unpack(">II", data[16:24])
 
 
+def read_rows(path: Path) -> list[dict]:
+    """The --raw-out file: one JSON object per line."""
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
 def test_cli_run_against_the_served_app(server, tmp_path, capsys):
     keys_file = tmp_path / "keys.json"
     keys_file.write_text(json.dumps(KEYS))
@@ -151,6 +156,7 @@ def test_cli_run_against_the_served_app(server, tmp_path, capsys):
         "--num-prompts", "24", "--rate", "30", "--tenants", "a:1,b:2", "--seed", "7",
         "--input-len", "uniform:8-40", "--output-len", "uniform:3-10", "--shared-prefix", "2,32",
         "--slo-ttft", "60000", "--out", str(out), "--no-progress",
+        "--raw-out", str(tmp_path / "requests.jsonl"),
     ]  # fmt: skip
     assert cli.main(argv) == 0
     printed = capsys.readouterr().out
@@ -163,7 +169,7 @@ def test_cli_run_against_the_served_app(server, tmp_path, capsys):
     summary = result["summary"]
     assert SUMMARY_KEYS <= set(summary) and "goodput" in summary
     assert set(summary["requests"]) == {"ttft", "tpot", "itl", "e2e"}
-    rows = result["requests"]
+    rows = read_rows(tmp_path / "requests.jsonl")
     assert sorted(r["index"] for r in rows) == list(range(24))  # none lost
     for row in rows:
         assert row["ok"], row
@@ -188,6 +194,7 @@ def test_cli_scenario_on_its_own_local_server(tmp_path, capsys):
     argv = [
         "bench", "serve", "--scenario", "vtc_overload", "--capacity", "2", "--duration", "2",
         "--scale", "0.2", "--max-num-seqs", "8", "--out", str(out), "--no-plots", "--no-progress",
+        "--raw-out", str(tmp_path / "requests.jsonl"),
     ]  # fmt: skip
     assert cli.main(argv) == 0
     result = json.loads((out / "result.json").read_text())
@@ -195,7 +202,7 @@ def test_cli_scenario_on_its_own_local_server(tmp_path, capsys):
     assert result["workload"]["scenario"] == "vtc_overload"
     assert result["meta"]["server"]["engine"]["max_num_seqs"] == 8
     assert "api_key" not in json.dumps(result["meta"]["server"])  # keys stay out of results
-    rows = result["requests"]
+    rows = read_rows(tmp_path / "requests.jsonl")
     assert len(rows) == result["workload"]["num_requests"] > 0
     assert {r["tenant"] for r in rows} == {"A", "B"}
     for row in rows:  # ended: completed, or rejected with a status (none are, without quotas)

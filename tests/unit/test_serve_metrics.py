@@ -374,3 +374,43 @@ def test_summarize_run_without_server_stats_or_results():
     assert run["server"] == {} and run["jain_index"] is None and "goodput" not in run
     with pytest.raises(ValueError):
         summarize_run([], duration_s=1.0, weights={}, slo={"ttft": 1.0})
+
+
+# -- what a run writes ------------------------------------------------------------------------
+
+
+def test_result_json_is_a_summary_and_rows_go_to_raw_out(tmp_path):
+    """result.json keeps the summary (floats to 6 significant digits, short containers on one
+    line); request rows, a run's or each compared run's (with its label), go to --raw-out only."""
+    import argparse
+
+    from fairbatch.benchmarks.serve_bench import compact_json, write_results
+
+    data = {"x": 1 / 3, "short": [1, 2.5], "long": list(range(40)), "none": None}
+    text = compact_json(data)
+    assert json.loads(text) == {**data, "x": 0.333333}
+    assert '"short": [1, 2.5]' in text and '"x": 0.333333' in text
+    assert all(len(line) <= 100 for line in text.splitlines())
+
+    raw = tmp_path / "raw" / "requests.jsonl"
+    args = argparse.Namespace(raw_out=str(raw))
+    run = {"kind": "run", "summary": {"ttft": 0.1}, "requests": [{"index": 0}, {"index": 1}]}
+    write_results(args, tmp_path, run)
+    assert json.loads((tmp_path / "result.json").read_text()) == {
+        "kind": "run",
+        "summary": {"ttft": 0.1},
+    }
+    assert [json.loads(line) for line in raw.read_text().splitlines()] == [
+        {"index": 0},
+        {"index": 1},
+    ]
+
+    compare = {"kind": "compare", "table": [{"p": 1}], "runs": {"fcfs": {"requests": [{"i": 0}]}}}
+    write_results(argparse.Namespace(raw_out=None), tmp_path, compare)
+    assert set(json.loads((tmp_path / "result.json").read_text())) == {"kind", "table"}
+    compare["runs"] = {"fcfs": {"requests": [{"i": 0}]}, "wf": {"requests": [{"i": 1}]}}
+    write_results(args, tmp_path, compare)
+    assert [json.loads(line) for line in raw.read_text().splitlines()] == [
+        {"run": "fcfs", "i": 0},
+        {"run": "wf", "i": 1},
+    ]
