@@ -5,7 +5,9 @@ plainly, with chunked prefills, under swap preemption, under recompute preemptio
 shared prefixes hitting the prefix cache.
 """
 
+import json
 import random
+import shutil
 
 import pytest
 import torch
@@ -117,17 +119,37 @@ def test_other_architectures_match_hf(request, ckpt, prompts):
     assert got == ref
 
 
-def test_eos_stops_generation(llama_ckpt):
-    # llama_ckpt's generation_config lists eos ids [2, 5]: make 5 the only likely token by
-    # asking for it as a stop token id and checking the reported reason instead.
-    llm = LLM(str(llama_ckpt), block_size=4, num_gpu_blocks=64)
-    free = llm.generate([[7, 8, 9]], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
-    first = free[0].token_ids[3]
-    out = llm.generate(
-        [[7, 8, 9]], SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[first])
+def test_eos_stops_generation(llama_ckpt, tmp_path):
+    """Generation stops at the checkpoint's EOS (its generation_config, a list of ids): the
+    output is the undisturbed greedy output up to and including the first EOS, finish_reason
+    "stop"; ignore_eos runs past it. The EOS id is picked from the undisturbed output, so the
+    model really emits it (nothing is asked for through stop_token_ids)."""
+    prompt = [7, 8, 9]
+    free_params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    free = LLM(str(llama_ckpt), block_size=4, num_gpu_blocks=64).generate([prompt], free_params)
+    tokens = free[0].token_ids
+    assert len(tokens) == 20
+    # The first token that is new at position >= 3: EOS must stop a request that has already
+    # generated tokens, and nothing before it may be an EOS.
+    cut = next((i for i, t in enumerate(tokens) if i >= 3 and t not in tokens[:i]), None)
+    assert cut is not None, f"the greedy output repeats itself from the start: {tokens}"
+    eos = tokens[cut]
+    never = next(t for t in range(3, 512) if t not in tokens)  # a second id, never emitted
+    ckpt = tmp_path / "llama_eos"
+    shutil.copytree(llama_ckpt, ckpt)
+    gen_file = ckpt / "generation_config.json"
+    gen_file.write_text(
+        json.dumps({**json.loads(gen_file.read_text()), "eos_token_id": [never, eos]})
     )
-    assert out[0].token_ids == free[0].token_ids[: free[0].token_ids.index(first) + 1]
-    assert out[0].finish_reason == "stop"
+
+    llm = LLM(str(ckpt), block_size=4, num_gpu_blocks=64)
+    assert llm.engine.eos_token_ids == (never, eos)  # read from the generation config
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20))[0]
+    assert out.token_ids == tokens[: cut + 1]  # ends exactly at the first EOS, kept in the ids
+    assert out.finish_reason == "stop"
+    past = llm.generate([prompt], free_params)[0]
+    assert past.token_ids == tokens and past.finish_reason == "length"
+    assert llm.engine.scheduler.kv.all_free()
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent():
