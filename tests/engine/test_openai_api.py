@@ -279,14 +279,24 @@ def test_seed_and_sampling_params(main_app):
     assert a == b and a
 
 
-def test_three_tenants_concurrent_streams(env, main_app):
-    _, url = main_app
+def test_three_tenants_concurrent_streams_complete_and_are_charged_to_their_tenants(env, main_app):
+    """Nine concurrent streams, three per tenant, each end with its 12 tokens, and every token
+    is charged to the tenant whose key sent it, in the API's registry and in the engine's
+    policy. No share or order is claimed: 9 requests fit the engine's 32 seats at once, so
+    nothing contends (weighted shares under contention: tests/unit/test_scheduler.py
+    test_weighted_fair_stays_within_vtc_bound_and_weights, tests/ray/test_serve_fairness.py)."""
+    app, url = main_app
     loop, backend = env
+    reg = app.state.registry
     policy = backend.engine.engine.scheduler.policy
     weights = loop.run(backend.engine.call(lambda: {n: policy.tenant(n).weight for n in KEYS}))
     assert weights == WEIGHTS  # the app pushed the configured tenants to the backend
+    # Nothing else runs (or is still being released) while the tenants' charges are compared.
+    wait_for(lambda: reg.total_in_flight == 0 and engine_idle(env), "the server to go idle")
+    charged = {t: reg.tenants[t].tokens_charged for t in KEYS}
+    decoded = loop.run(backend.engine.call(lambda: {t: policy.tokens()[t][1] for t in KEYS}))
 
-    async def one(tenant: str, i: int) -> tuple[str, str, int]:
+    async def one(tenant: str, i: int) -> tuple[str, str, int, int]:
         c = openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEYS[tenant], max_retries=0)
         async with c:
             stream = await c.chat.completions.create(
@@ -303,16 +313,23 @@ def test_three_tenants_concurrent_streams(env, main_app):
                 if ch.choices and ch.choices[0].finish_reason:
                     reason = ch.choices[0].finish_reason
                 usage = ch.usage or usage
-            return tenant, reason, usage.completion_tokens
+            return tenant, reason, usage.completion_tokens, usage.prompt_tokens
 
     async def all_of_them():
         jobs = [one(t, i) for i in range(3) for t in KEYS]
         return await asyncio.wait_for(asyncio.gather(*jobs), 120)
 
     results = asyncio.run(all_of_them())
-    assert sorted(results) == sorted((t, "length", 12) for t in KEYS for _ in range(3))
-    assert main_app[0].state.registry.total_in_flight == 0
+    assert sorted(r[:3] for r in results) == sorted(
+        (t, "length", 12) for t in KEYS for _ in range(3)
+    )
+    assert reg.total_in_flight == 0
     wait_for(lambda: engine_idle(env), "the engine to go idle")
+    for t in KEYS:
+        mine = [r for r in results if r[0] == t]
+        assert reg.tenants[t].tokens_charged - charged[t] == sum(r[2] + r[3] for r in mine), t
+    decoded_now = loop.run(backend.engine.call(lambda: {t: policy.tokens()[t][1] for t in KEYS}))
+    assert {t: decoded_now[t] - decoded[t] for t in KEYS} == {t: 3 * 12 for t in KEYS}
 
 
 # ---- disconnects, bounds, quotas -------------------------------------------------------------
