@@ -115,6 +115,8 @@ cfg["proxy_location"] = "HeadOnly"
 app = cfg["applications"][0]
 app["args"].update(num_replicas=1, cluster_name="fblocal", metrics_interval_s=0,
                    engine={"max_num_seqs": 4, "num_gpu_blocks": 64, "device": "cpu"})
+# the example's keys are held by nobody: a tenant with a key this script knows
+app["args"]["tenants"].append({"name": "ray-up-check", "api_key": "sk-ray-up-local-check"})
 yaml.safe_dump(cfg, open(dst, "w"), sort_keys=False)
 PYEOF
 sed -e "s|@CLUSTER_NAME@|$NAME|g" -e "s|@SSH_USER@|$(whoami)|g" \
@@ -138,6 +140,7 @@ for i in $(seq 180); do
   sleep 1
 done
 OUT=$(curl -sS -m 60 "$URL/v1/completions" -H 'Content-Type: application/json' \
+  -H 'Authorization: Bearer sk-ray-up-local-check' \
   -d '{"model": "fairbatch-tiny", "prompt": "Hello from ray up", "max_tokens": 8}')
 echo "$OUT"
 echo "$OUT" | "$PY" -c 'import json, sys; r = json.load(sys.stdin); assert r["usage"]["completion_tokens"] >= 1, r'

@@ -6,7 +6,8 @@ fields are errors, so a typo in a YAML file fails at start-up instead of being i
 
 Keys: a tenant's `api_key` is hashed (sha256) when the config is loaded and only the digest is
 kept; `api_key_sha256` (64 hex digits) lets a config file hold no plain key at all. The same
-holds for the admin key. Nothing here imports torch or ray.
+holds for the admin key. Once any tenant has a key, a request without one is refused unless the
+config turns anonymous access on by name. Nothing here imports torch or ray.
 """
 
 from __future__ import annotations
@@ -77,7 +78,9 @@ class AppConfig(_Strict):
     model: str = Field(default="tiny", min_length=1)  # "tiny" or a HF model directory
     served_model_name: str | None = Field(default=None, min_length=1)  # the API's `model` id
     tenants: list[TenantConfig] = Field(default_factory=list)
-    allow_anonymous: bool = True  # requests without a key run as `anonymous_tenant`
+    # Requests without a key run as `anonymous_tenant`. Unset: allowed only while no tenant has
+    # a key (configuring keys means every request needs one, as vLLM's --api-key does).
+    allow_anonymous: bool | None = None
     anonymous_tenant: str = Field(default="default", min_length=1, max_length=64)
     admin_api_key: str | None = Field(default=None, min_length=1, repr=False)  # hashed on load
     admin_api_key_sha256: str | None = Field(default=None, pattern=SHA256_HEX, repr=False)
@@ -100,6 +103,9 @@ class AppConfig(_Strict):
             object.__setattr__(self, "admin_api_key", None)
         elif self.admin_api_key_sha256 is not None:
             object.__setattr__(self, "admin_api_key_sha256", self.admin_api_key_sha256.lower())
+        if self.allow_anonymous is None:
+            keyed = any(t.api_key_sha256 is not None for t in self.tenants)
+            object.__setattr__(self, "allow_anonymous", not keyed)
         names: set[str] = set()
         digests: set[str] = set()
         for i, t in enumerate(self.tenants):
@@ -113,6 +119,19 @@ class AppConfig(_Strict):
                     raise ValueError(f"tenants.{i}: a tenant key must differ from the admin key")
                 digests.add(t.api_key_sha256)
         return self
+
+    @property
+    def anonymous_risk(self) -> str | None:
+        """A warning for start-up logs when keys are configured and anonymous access is on
+        anyway (explicitly): anyone who can reach the port is served, as that tenant."""
+        keyed = [t.name for t in self.tenants if t.api_key_sha256 is not None]
+        if not (self.allow_anonymous and keyed):
+            return None
+        return (
+            f"allow_anonymous is true although tenants {', '.join(keyed)} have API keys: "
+            f"requests without a key are served as tenant {self.anonymous_tenant!r}, "
+            "by anyone who can reach this port"
+        )
 
     @property
     def model_name(self) -> str:

@@ -15,7 +15,7 @@ import math
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from fairbatch.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -225,13 +225,21 @@ class ChatCompletionRequest(_SamplingFields):
 
 class TenantPatch(BaseModel):
     """PATCH /admin/tenants/{name}: fields left out are unchanged; tokens_per_minute null
-    removes the quota."""
+    removes the quota, max_requests null returns to `limits.max_requests_per_tenant`; weight and
+    priority cannot be null."""
 
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid")
     weight: float | None = Field(default=None, gt=0, le=1e6)
     priority: int | None = Field(default=None, ge=-1000, le=1000)
     tokens_per_minute: float | None = Field(default=None, gt=0)
     max_requests: int | None = Field(default=None, ge=1)
+
+    @model_validator(mode="after")
+    def _no_null_share(self) -> TenantPatch:
+        for name in ("weight", "priority"):
+            if name in self.model_fields_set and getattr(self, name) is None:
+                raise ValueError(f"{name} cannot be null: leave it out to keep it unchanged")
+        return self
 
 
 # ---- responses --------------------------------------------------------------------------------

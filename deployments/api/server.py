@@ -68,6 +68,8 @@ class _Api:
         self.config = config
         self.limits = config.limits
         self.registry = TenantRegistry(config, clock)
+        if config.anonymous_risk is not None:
+            log.warning("%s", config.anonymous_risk)
         self.model_name = config.model_name
         self.created = int(time.time())
         self.backend: Any = None
@@ -451,7 +453,7 @@ def create_app(
         reg = api.registry
         if name not in reg.tenants:
             raise ApiError(404, f"unknown tenant {name!r}", param="name", code="tenant_not_found")
-        old = reg.tenants[name].public()
+        saved = reg.snapshot(name)
         state = reg.update(
             name,
             weight=patch.weight,
@@ -460,18 +462,18 @@ def create_app(
             clear_quota="tokens_per_minute" in patch.model_fields_set
             and patch.tokens_per_minute is None,
             max_requests=patch.max_requests,
+            clear_max_requests="max_requests" in patch.model_fields_set
+            and patch.max_requests is None,
         )
         try:
             await api.push_tenant(state)
         except Exception:
-            reg.update(
-                name,
-                weight=old["weight"],
-                priority=old["priority"],
-                tokens_per_minute=old["tokens_per_minute"],
-                clear_quota=old["tokens_per_minute"] is None,
-            )
             log.error("backend refused the update of tenant %s", name, exc_info=True)
+            restored = reg.restore(saved)
+            try:  # a backend that took part of the update (some replicas) gets the old one back
+                await api.push_tenant(restored)
+            except Exception:
+                log.error("could not push the restored tenant %s", name, exc_info=True)
             raise ApiError(
                 502, "the backend refused the tenant update", type="server_error"
             ) from None

@@ -17,6 +17,7 @@ run on the event loop thread: no locks.
 
 from __future__ import annotations
 
+import copy
 import hmac
 import math
 import time
@@ -86,6 +87,22 @@ class TenantState:
             "requests_admitted": self.requests_admitted,
             "requests_rejected": self.requests_rejected,
         }
+
+
+@dataclass(frozen=True)
+class TenantSettings:
+    """What the admin API can change on a tenant, saved so that a refused update can be undone
+    completely: the settings and the quota bucket (its object, so its level and debt), plus the
+    tokens charged when it was saved (charges made while the update was pending move to the
+    restored bucket)."""
+
+    name: str
+    weight: float
+    priority: int
+    tokens_per_minute: float | None
+    max_requests: int | None
+    bucket: TokenBucket | None
+    tokens_charged: int
 
 
 @dataclass
@@ -265,6 +282,26 @@ class TenantRegistry:
 
     # ---- admin ----------------------------------------------------------------------------
 
+    def snapshot(self, name: str) -> TenantSettings:
+        """The tenant's changeable settings and quota state, for `restore` (KeyError if unknown)."""
+        t = self.tenants[name]
+        bucket = None if t.bucket is None else copy.copy(t.bucket)
+        return TenantSettings(
+            t.name, t.weight, t.priority, t.tokens_per_minute, t.max_requests, bucket,
+            t.tokens_charged,
+        )  # fmt: skip
+
+    def restore(self, saved: TenantSettings) -> TenantState:
+        """Undo every change since `saved` was taken: settings, and the bucket as it was, less
+        what the tenant was charged since (so a refused update neither erases nor adds debt)."""
+        t = self.tenants[saved.name]
+        t.weight, t.priority = saved.weight, saved.priority
+        t.tokens_per_minute, t.max_requests = saved.tokens_per_minute, saved.max_requests
+        t.bucket = None if saved.bucket is None else copy.copy(saved.bucket)
+        if t.bucket is not None:
+            t.bucket.consume(t.tokens_charged - saved.tokens_charged, self._clock())
+        return t
+
     def update(
         self,
         name: str,
@@ -274,6 +311,7 @@ class TenantRegistry:
         tokens_per_minute: float | None = None,
         clear_quota: bool = False,
         max_requests: int | None = None,
+        clear_max_requests: bool = False,
     ) -> TenantState:
         """Change a tenant's settings (KeyError if unknown); None leaves a field unchanged."""
         state = self.tenants[name]
@@ -281,7 +319,9 @@ class TenantRegistry:
             state.weight = weight
         if priority is not None:
             state.priority = priority
-        if max_requests is not None:
+        if clear_max_requests:
+            state.max_requests = None
+        elif max_requests is not None:
             state.max_requests = max_requests
         if clear_quota:
             self._set_quota(state, None)

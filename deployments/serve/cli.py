@@ -36,12 +36,33 @@ def app_args(args: argparse.Namespace) -> dict[str, Any]:
     return data
 
 
-def banner(url: str, model: str, dashboard: str | None, anonymous: bool) -> str:
+def dashboard_access() -> str:
+    """How to open the Ray dashboard of the Ray this process started: Ray 2.60 turns token
+    auth on unless RAY_AUTH_MODE says otherwise, and the dashboard then asks for the token."""
+    if os.environ.get("RAY_AUTH_MODE", "").lower() != "token":
+        return "no token needed (Ray's token auth is off)"
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH") or os.path.expanduser("~/.ray/auth_token")
+    return (
+        f"it asks for Ray's token: `ray get-auth-token` prints it (file {path});\n"
+        "              for local use only, RAY_AUTH_MODE=disabled fairbatch serve turns it off"
+    )
+
+
+def banner(
+    url: str, model: str, dashboard: str | None, anonymous: bool, tiny: bool, access: str
+) -> str:
     key = "EMPTY" if anonymous else "<your API key>"
+    note = (
+        "\n  model:      the embedded tiny Llama has RANDOM weights: fast and exact, but its"
+        "\n              text is noise; --model PATH serves a Hugging Face checkpoint"
+        if tiny
+        else ""
+    )
+    dash = f"{dashboard}   (Serve tab; metrics: docs/SERVE.md)\n              {access}"
     return f"""
 fairbatch is serving {model!r}
   API:        {url}/v1   (health: {url}/health)
-  dashboard:  {dashboard or "(not running)"}   (Serve tab; metrics: docs/SERVE.md)
+  dashboard:  {dash if dashboard else "(not running)"}{note}
 
   curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\
     -H 'Authorization: Bearer {key}' \\
@@ -128,8 +149,11 @@ def run(args: argparse.Namespace) -> int:
         # with RAY_SERVE_ENABLE_DIRECT_INGRESS=1 there is no proxy: the ingress has its own port
         url = ingress_url(APP_NAME, f"http://{host}:{proxy_port}")
         dashboard = f"http://{ctx.dashboard_url}" if ctx.dashboard_url else None
-        print(banner(url, config.model_name, dashboard,
-                     config.allow_anonymous), flush=True)  # fmt: skip
+        if config.anonymous_risk is not None:
+            print(f"WARNING: {config.anonymous_risk}", file=sys.stderr, flush=True)
+        text = banner(url, config.model_name, dashboard, bool(config.allow_anonymous),
+                      config.model == "tiny", dashboard_access())  # fmt: skip
+        print(text, flush=True)
         while True:
             time.sleep(1.0)
     except _Stop:

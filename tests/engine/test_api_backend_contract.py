@@ -7,7 +7,9 @@ so this also checks the API takes what `ClusterClient.generate` streams."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import logging
 import socket
 import time
 
@@ -140,7 +142,9 @@ def test_tenants_pushed_at_startup(served):
     backend = served[1]
     assert ("a", 2.0, 3, 600.0) in backend.tenant_updates
     assert ("b", 1.0, 0, None) in backend.tenant_updates
-    assert ("default", 1.0, 0, None) in backend.tenant_updates  # the anonymous tenant
+    # Tenants have keys and the config says nothing of anonymous access: there is no
+    # anonymous tenant to push.
+    assert {u[0] for u in backend.tenant_updates} == {"a", "b"}
 
 
 def test_backend_refusal_is_400(served):
@@ -311,4 +315,127 @@ def test_cache_salt_reaches_the_backend_only_for_tenants_in_a_group():
         "z": (False, None),
     }
     groups = {t["name"]: t["prefix_cache_group"] for t in view["data"]}
-    assert groups == {"x": "team", "y": "team", "z": None, "default": None}
+    assert groups == {"x": "team", "y": "team", "z": None}  # keyed tenants: no anonymous one
+
+
+# ---- access: keys, anonymous, admin; a refused PATCH undone -----------------------------------
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@contextlib.contextmanager
+def serving(config, clock=time.monotonic):
+    loop = ServerLoop()
+    backend = ScriptedBackend()
+    try:
+        app = create_app(backend, config, clock=clock)
+        with httpx.Client(base_url=loop.serve(app), timeout=30) as c:
+            yield c, backend, app
+    finally:
+        loop.close()
+
+
+NO_KEY = ({}, {"Authorization": "Bearer EMPTY"}, {"Authorization": "Bearer none"})
+
+
+def test_configured_keys_mean_every_request_needs_one():
+    with serving({"tenants": TENANTS}) as (c, backend, app):  # allow_anonymous not given
+        for headers in NO_KEY:
+            for method, path in [("POST", "/v1/completions"), ("GET", "/v1/models")]:
+                r = c.request(method, path, json=comp(), headers=headers)
+                assert r.status_code == 401, (path, headers)
+                assert r.json()["error"]["type"] == "authentication_error"
+        assert backend.calls == []  # nothing reached the model
+        assert "default" not in app.state.registry.tenants
+        r = c.post("/v1/completions", json=comp(), headers={"Authorization": "Bearer kb"})
+        assert r.status_code == 200 and backend.calls[-1]["tenant"] == "b"
+
+
+def test_no_tenants_configured_serves_anyone_as_the_default_tenant():
+    with serving(None) as (c, backend, _):
+        for headers in NO_KEY:
+            assert c.post("/v1/completions", json=comp(), headers=headers).status_code == 200
+        assert {call["tenant"] for call in backend.calls} == {"default"}
+
+
+def test_explicit_anonymous_access_beside_keys_works_and_warns_at_start(caplog):
+    with caplog.at_level(logging.WARNING, logger="fairbatch.api"):
+        with serving({"tenants": TENANTS, "allow_anonymous": True}) as (c, backend, _):
+            assert c.post("/v1/completions", json=comp()).status_code == 200
+            assert backend.calls[-1]["tenant"] == "default"
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("allow_anonymous is true" in w and "a, b" in w for w in warnings), warnings
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="fairbatch.api"):
+        with serving({"tenants": TENANTS, "allow_anonymous": False}):
+            pass
+    assert not [r for r in caplog.records if "allow_anonymous" in r.getMessage()]
+
+
+def test_admin_routes_are_off_without_an_admin_key():
+    with serving({"tenants": TENANTS}) as (c, backend, _):
+        for headers in ({}, {"Authorization": "Bearer ka"}, {"Authorization": "Bearer adm"}):
+            for method, path in [
+                ("GET", "/admin/tenants"),
+                ("GET", "/admin/stats"),
+                ("PATCH", "/admin/tenants/a"),
+            ]:
+                r = c.request(method, path, json={"weight": 9}, headers=headers)
+                assert r.status_code == 403 and r.json()["error"]["code"] == "admin_disabled"
+        assert all(u[1] == 2.0 for u in backend.tenant_updates if u[0] == "a")  # never changed
+
+
+def test_a_refused_patch_restores_every_field_and_the_quota_debt():
+    clock = FakeClock()
+    tenants = [{"name": "q", "api_key": "kq", "weight": 2, "priority": 1,
+                "tokens_per_minute": 61, "max_requests": 3}]  # fmt: skip
+    admin = {"Authorization": "Bearer adm"}
+    with serving({"tenants": tenants, "admin_api_key": "adm"}, clock) as (c, backend, app):
+        q = {"Authorization": "Bearer kq"}
+        # Each request charges its prompt and 3 completion tokens; the clock stands still, so
+        # the bucket only drains, and the last one admitted (at a level > 0) leaves a debt, as
+        # 61 is prime.
+        codes = [c.post("/v1/completions", json=comp(), headers=q).status_code for _ in range(40)]
+        assert 200 in codes and codes == sorted(codes) and codes[-1] == 429  # 200s, then 429s
+        state = app.state.registry.tenants["q"]
+        debt = state.bucket.level(clock())
+        assert debt < 0
+        over = c.post("/v1/completions", json=comp(), headers=q)
+        assert over.status_code == 429 and over.json()["error"]["code"] == "quota_exceeded"
+        retry_after = over.headers["retry-after"]
+        settings = ("weight", "priority", "tokens_per_minute", "max_requests", "tokens_charged")
+
+        def shown() -> dict:
+            view = c.get("/admin/tenants", headers=admin).json()["data"][0]
+            return {k: view[k] for k in settings}
+
+        before = shown()
+        configured = {"weight": 2.0, "priority": 1, "tokens_per_minute": 61.0, "max_requests": 3}
+        assert before == {**configured, "tokens_charged": before["tokens_charged"]}
+        backend.refuse_updates = True
+        for body in (
+            {"weight": 7, "priority": 5, "max_requests": 9, "tokens_per_minute": None},
+            {"tokens_per_minute": 6000},
+            {"max_requests": None},
+        ):
+            r = c.patch("/admin/tenants/q", json=body, headers=admin)
+            assert r.status_code == 502, body
+            assert shown() == before
+            assert state.bucket.level(clock()) == debt  # the debt is kept, not erased
+            again = c.post("/v1/completions", json=comp(), headers=q)
+            assert again.status_code == 429 and again.headers["retry-after"] == retry_after
+        # Time refills the restored bucket at the old rate (61/60 token/s): the debt is gone
+        # before -debt + 1 seconds, and the tenant is admitted again.
+        clock.t += -debt + 1
+        assert c.post("/v1/completions", json=comp(), headers=q).status_code == 200
+        backend.refuse_updates = False
+        r = c.patch("/admin/tenants/q", json={"max_requests": None}, headers=admin)
+        assert r.status_code == 200 and r.json()["max_requests"] is None  # back to the default
+        r = c.patch("/admin/tenants/q", json={"weight": None}, headers=admin)
+        assert r.status_code == 400 and "weight cannot be null" in r.json()["error"]["message"]

@@ -58,6 +58,8 @@ def run_cli(tmp_path: Path) -> None:
         assert out.usage.completion_tokens >= 1 and out.choices[0].finish_reason
         banner = _read(log)
         assert f"{base}/v1" in banner and "curl" in banner and "dashboard:" in banner
+        assert "RANDOM weights" in banner  # the tiny model's text is noise, and it says so
+        assert "no token needed" in banner  # RAY_AUTH_MODE=disabled here (conftest)
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=STOP_TIMEOUT_S) == 0, _read(log)
         assert "stopped." in _read(log)

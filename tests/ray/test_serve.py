@@ -29,6 +29,7 @@ from loopback import (  # noqa: E402
 )
 from ray import serve  # noqa: E402
 
+from fairbatch.deployments.api.config import sha256_hex  # noqa: E402
 from fairbatch.deployments.serve.app import ConfigError, parse_app_args, read_args_file  # noqa: E402
 from fairbatch.deployments.serve.handle_api import HandleRejected  # noqa: E402
 from fairbatch.engine.tokenizer import Tokenizer  # noqa: E402
@@ -51,6 +52,7 @@ def app_args() -> dict:
         cluster_name="fbtest",
         metrics_interval_s=0.5,
         admin_api_key=ADMIN,
+        allow_anonymous=True,  # the blocker streams run as the anonymous tenant
         engine={
             "num_gpu_blocks": 64,
             "num_cpu_blocks": 64,
@@ -152,6 +154,11 @@ def test_args_are_validated_with_field_names():
     assert cfg.model == "sim" and cfg.model_name == "fairbatch-sim" and cfg.num_replicas == 3
     example = parse_app_args({"config_file": str(REPO / "deployments" / "serve_config.yaml")})
     assert [t.name for t in example.tenants] == ["team-a", "team-b"]
+    # The shipped example needs a key for every request, and its keys are not guessable words.
+    assert example.allow_anonymous is False and example.anonymous_risk is None
+    words = ["admin", "sk-team-a-example", "sk-team-b-example", "team-a", "team-b", "secret"]
+    digests = [example.admin_api_key_sha256, *(t.api_key_sha256 for t in example.tenants)]
+    assert all(d is not None and d not in map(sha256_hex, words) for d in digests)
 
 
 # ---- the OpenAI client --------------------------------------------------------------------------

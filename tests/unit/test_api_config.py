@@ -220,7 +220,8 @@ def test_prefix_cache_groups_salt_members_alike_and_no_one_else():
                 {"name": "c", "api_key": "kc"},
                 # a group named like a tenant still gets a salt of its own
                 {"name": "d", "api_key": "kd", "prefix_cache_group": "c"},
-            ]
+            ],
+            "allow_anonymous": True,
         }
     )
     reg = TenantRegistry(cfg)

@@ -1,0 +1,31 @@
+"""The banner of `fairbatch serve`: what a new user needs to reach the API and the dashboard."""
+
+from __future__ import annotations
+
+from fairbatch.deployments.serve.cli import banner, dashboard_access
+
+URL, DASH = "http://127.0.0.1:8000", "http://127.0.0.1:8265"
+
+
+def test_dashboard_access_names_the_token_file_when_ray_token_auth_is_on(monkeypatch):
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", "/srv/ray/token")
+    text = dashboard_access()
+    assert "ray get-auth-token" in text and "/srv/ray/token" in text
+    assert "RAY_AUTH_MODE=disabled" in text  # the local-use way out
+    monkeypatch.delenv("RAY_AUTH_TOKEN_PATH")
+    monkeypatch.setenv("HOME", "/home/u")
+    assert "/home/u/.ray/auth_token" in dashboard_access()  # Ray's default token file
+
+
+def test_dashboard_access_without_token_auth(monkeypatch):
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    assert "no token needed" in dashboard_access()
+
+
+def test_banner_warns_that_the_tiny_model_is_random_and_shows_the_key_to_use():
+    tiny = banner(URL, "fairbatch-tiny", DASH, True, True, "no token needed")
+    assert "RANDOM weights" in tiny and "Bearer EMPTY" in tiny and DASH in tiny
+    real = banner(URL, "llama", DASH, False, False, "no token needed")
+    assert "RANDOM" not in real and "Bearer <your API key>" in real and "EMPTY" not in real
+    assert "(not running)" in banner(URL, "llama", None, False, False, "x")
