@@ -51,6 +51,33 @@ def cluster(ray_session):
     return c
 
 
+def wait_until(probe, done, timeout_s: float, what: str, every: float = 0.1):
+    """Poll `state = probe()` until `done(state)` and return that state; after `timeout_s`,
+    AssertionError naming `what` and the last state. Every wait for a state is this (or
+    `until`), never a fixed sleep."""
+    deadline = time.monotonic() + timeout_s
+    while not done(state := probe()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}: {state!r}")
+        time.sleep(every)
+    return state
+
+
+async def until(probe, done, timeout_s: float, what: str, every: float = 0.02):
+    """`wait_until` in a coroutine: `probe` runs in a thread (so blocking Ray calls leave the
+    streams on this loop flowing)."""
+    deadline = time.monotonic() + timeout_s
+    while not done(state := await asyncio.to_thread(probe)):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}: {state!r}")
+        await asyncio.sleep(every)
+    return state
+
+
+def replica_stats(c) -> list[dict]:
+    return ray.get([h.stats.remote() for h in c.replicas.values()], timeout=30)
+
+
 def params(n: int) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
@@ -98,7 +125,7 @@ async def measure_fairness(c, routed_at_once: bool) -> dict:
     start = None
     deadline = time.monotonic() + 120
     while True:
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.1)  # the sampling period of the measurement, not a wait for state
         svc = await asyncio.to_thread(cluster_service, c)
         a, b = svc.get("a", 0.0), svc.get("b", 0.0)
         if start is None:
@@ -156,21 +183,32 @@ async def fill_and_jump(c) -> tuple[dict, list[dict], dict]:
         asyncio.create_task(collect(client, prompt(100 + i), params(120), tenant="c"))
         for i in range(3 * (SEATS + 2) + 3)
     ]
-    deadline = time.monotonic() + 60
-    while True:  # every seat of every replica busy with low-priority work
-        await asyncio.sleep(0.05)
-        stats = await asyncio.to_thread(
-            lambda: ray.get([h.stats.remote() for h in c.replicas.values()], timeout=30)
-        )
-        if all(s["running"] == SEATS for s in stats):
-            break
-        assert time.monotonic() < deadline, stats
-    await asyncio.sleep(0.3)  # let the controller see the seats taken (reports)
+    await until(
+        lambda: [s["running"] for s in replica_stats(c)],
+        lambda running: running == [SEATS] * 3,
+        60,
+        "every seat of every replica to be busy with low-priority work (running per replica)",
+    )
+    # ... and the controller to know it from their reports (every seat's request seen
+    # running), so that it has a running victim to preempt for the priority request. Run in
+    # the controller actor (a lambda travels by value).
+    await until(
+        lambda: ray.get(
+            c.controller.__ray_call__.remote(
+                lambda ctrl: sum(
+                    t.seen and t.running
+                    for r in ctrl.core.replicas.values()
+                    for t in r.assigned.values()
+                )
+            ),
+            timeout=30,
+        ),
+        lambda seen_running: seen_running == 3 * SEATS,
+        30,
+        "the controller to see every seat taken (requests it knows are running)",
+    )
     before = await asyncio.to_thread(
-        lambda: {
-            s["replica_id"]: s["num_steps"]
-            for s in ray.get([h.stats.remote() for h in c.replicas.values()], timeout=30)
-        }
+        lambda: {s["replica_id"]: s["num_steps"] for s in replica_stats(c)}
     )
     high = await collect(client, prompt(999), params(8), tenant="a", priority=5)
     lows = await asyncio.gather(*low)
@@ -243,7 +281,16 @@ async def run_and_kill_controller(c, batched: bool) -> list[dict]:
         asyncio.create_task(collect(client, prompt(300 + i), params(60), tenant="ab"[i % 2]))
         for i in range(n)
     ]
-    await asyncio.sleep(0.5)
+    # Kill it while it holds both kinds: requests queued at it and every seat running.
+    await until(
+        lambda: (
+            ray.get(c.controller.stats.remote(), timeout=30)["queued"],
+            [r["running"] for r in replica_stats(c)],
+        ),
+        lambda state: state[0] > 0 and state[1] == [SEATS] * 3,
+        60,
+        "requests queued at the controller while every replica seat runs (queued, running)",
+    )
     assert not all(t.done() for t in tasks)
     ray.kill(c.controller, no_restart=False)  # Ray restarts it (max_restarts=-1)
     return await asyncio.wait_for(asyncio.gather(*tasks), timeout=120)
@@ -258,14 +305,13 @@ def test_controller_death_loses_nothing(cluster, sim_expected, batched):
         assert r["tokens"] == sim_expected(prompt(300 + i), 60)
     # the new incarnation rebuilt its replica table from reports and keeps admitting
     # (a replica's first report to it may still be on its way when the streams end: bounded wait)
-    deadline = time.monotonic() + 15
-    while True:
-        stats = ray.get(cluster.controller.stats.remote(), timeout=30)
-        if len(stats["replicas"]) == 3 or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
+    stats = wait_until(
+        lambda: ray.get(cluster.controller.stats.remote(), timeout=30),
+        lambda s: len(s["replicas"]) == 3,
+        15,
+        "all 3 replicas to report to the restarted controller",
+    )
     assert stats["incarnation"] != before  # it really was restarted
-    assert len(stats["replicas"]) == 3
     r = asyncio.run(collect(ClusterClient(cluster.controller), prompt(5), params(5)))
     assert r["tokens"] == sim_expected(prompt(5), 5)
 
@@ -291,10 +337,12 @@ async def run_and_kill_replica(c) -> tuple[list[dict], str]:
         }
 
     tasks = [asyncio.create_task(one(i)) for i in range(n)]
-    deadline = time.monotonic() + 60
-    while min(progress) < 8:  # every request is mid-generation
-        await asyncio.sleep(0.02)
-        assert time.monotonic() < deadline, progress
+    await until(
+        lambda: list(progress),
+        lambda p: min(p) >= 8,
+        60,
+        "every request mid-generation (tokens so far per request)",
+    )
     ray.kill(c.replicas[victim_id], no_restart=True)
     on_victim = [i for i in range(n) if where[i] == victim_id]  # mid-generation there
     results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=120)
@@ -318,10 +366,12 @@ def test_idle_dead_replica_is_dropped_by_the_watchdog(cluster, sim_expected):
     alive = ray.get(cluster.controller.stats.remote(), timeout=30)["replicas"]
     victim = alive[-1]
     ray.kill(cluster.replicas[victim], no_restart=True)
-    deadline = time.monotonic() + 30
-    while victim in ray.get(cluster.controller.stats.remote(), timeout=30)["replicas"]:
-        assert time.monotonic() < deadline, "the dead replica was never dropped"
-        time.sleep(0.2)
+    wait_until(
+        lambda: ray.get(cluster.controller.stats.remote(), timeout=30)["replicas"],
+        lambda replicas: victim not in replicas,
+        30,
+        f"the watchdog to drop the dead replica {victim} (the controller's replicas)",
+    )
     client = ClusterClient(cluster.controller, item_timeout_s=30)
 
     async def run() -> list[dict]:
