@@ -14,6 +14,7 @@ from typing import Any
 from fairbatch.engine.detokenizer import IncrementalDetokenizer
 from fairbatch.engine.sampling_params import SamplingParams
 from fairbatch.scheduler import Request, RequestStatus, Scheduler
+from fairbatch.scheduler.request import PromptLogprobs
 
 
 @dataclass
@@ -26,6 +27,10 @@ class RequestDelta:
     finished: bool
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     logprobs: list[Any] | None = None  # the sampler's record per new token, when asked
+    # With the request's first token only: the prompt's log-prob records (when asked for:
+    # entry 0 None, then one per prompt token) and the prompt tokens found in the prefix cache.
+    prompt_logprobs: list[Any] | None = None
+    num_cached_tokens: int | None = None
 
 
 @dataclass
@@ -44,12 +49,16 @@ class EngineCore:
         runner: Any,  # ModelRunner, SimRunner or FakeRunner: execute(SchedulerOutput)
         tokenizer: Any = None,
         eos_token_ids: tuple[int, ...] = (),
+        vocab_size: int | None = None,  # the logits' width (default: the tokenizer's)
     ) -> None:
         self.scheduler = scheduler
         self.runner = runner
         self.tokenizer = tokenizer
+        self.vocab_size = vocab_size or getattr(tokenizer, "vocab_size", None)
         self.eos_token_ids = tuple(eos_token_ids)
         self.detoks: dict[str, IncrementalDetokenizer] = {}
+        # requests whose first delta (prompt logprobs, cached tokens) is still to come
+        self._first: dict[str, Request] = {}
         self._ids = itertools.count()
 
     # ---- requests ---------------------------------------------------------------------------
@@ -74,9 +83,15 @@ class EngineCore:
             prompt_ids = [int(t) for t in prompt]
         if not prompt_ids:
             raise ValueError("the prompt is empty")
-        vocab = getattr(self.tokenizer, "vocab_size", None)
+        vocab = self.vocab_size
         if vocab is not None and any(t < 0 or t >= vocab for t in prompt_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if vocab is not None and params.logit_bias:
+            bad = sorted(t for t in params.logit_bias if t >= vocab)
+            if bad:
+                raise ValueError(
+                    f"logit_bias token ids must be in [0, {vocab}); got {', '.join(map(str, bad))}"
+                )
         stop_ids = list(params.stop_token_ids or ())
         if not params.ignore_eos:
             stop_ids.extend(self.eos_token_ids)
@@ -91,8 +106,11 @@ class EngineCore:
             cache_salt=cache_salt,
             sampling_params=params,
         )
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = PromptLogprobs(len(prompt_ids), params.prompt_logprobs)
         self.scheduler.add_request(request)  # raises on duplicates / prompts over the limit
         self._attach_detokenizer(request)
+        self._first[request.request_id] = request
         return request
 
     def _attach_detokenizer(self, request: Request) -> None:
@@ -112,6 +130,7 @@ class EngineCore:
 
     def abort(self, request_id: str) -> bool:
         self.detoks.pop(request_id, None)
+        self._first.pop(request_id, None)
         return self.scheduler.abort(request_id)
 
     def has_unfinished(self) -> bool:
@@ -149,7 +168,20 @@ class EngineCore:
         for rid, reason in finished_map.items():
             if rid not in updates.new_tokens:
                 deltas.append(self._delta(rid, [], reason, None))
+        if self._first:
+            for d in deltas:
+                request = self._first.pop(d.request_id, None)
+                if request is not None:
+                    self._first_delta(d, request)
         return deltas
+
+    @staticmethod
+    def _first_delta(d: RequestDelta, request: Request) -> None:
+        d.num_cached_tokens = request.num_cached_tokens or 0
+        plp = request.prompt_logprobs
+        if plp is not None and not plp.sent and not plp.num_missing:
+            d.prompt_logprobs = plp.entries
+            plp.sent = True
 
     def _delta(self, rid: str, tokens: list[int], reason: str | None, lp) -> RequestDelta:
         text, finished = "", reason is not None
@@ -180,6 +212,7 @@ class EngineCore:
         """Take a waiting or swapped request out, with its K/V bytes if it was swapped."""
         request, cpu_ids = self.scheduler.export_request(request_id)
         self.detoks.pop(request_id, None)
+        self._first.pop(request_id, None)
         blocks = None
         if cpu_ids is not None and hasattr(self.runner, "cache"):
             blocks = self.runner.cache.export_blocks(cpu_ids)  # read before the next step
@@ -194,6 +227,8 @@ class EngineCore:
         if cpu_ids is not None:
             self.runner.cache.import_blocks(cpu_ids, migrated.kv_blocks)
         self._attach_detokenizer(request)
+        if request.num_output_tokens == 0:  # moved before its first token
+            self._first[request.request_id] = request
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

@@ -32,6 +32,10 @@ class RequestOutput:
     text: str
     finish_reason: str | None  # "stop" | "length" | "abort"
     logprobs: list[Any] | None = None
+    # with SamplingParams(prompt_logprobs=k): None for the first prompt token, then one record
+    # [(token, lp), (top1, lp), ...] per prompt token
+    prompt_logprobs: list[Any] | None = None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
 def load_model(model: str, device: torch.device, dtype, attn_backend):
@@ -108,7 +112,7 @@ def build_engine(
     cache = CacheEngine(layout, num_gpu_blocks, num_cpu_blocks, dev)
     gen = torch.Generator(device=dev).manual_seed(seed)
     runner = ModelRunner(m, cache, Sampler(generator=gen))
-    engine = EngineCore(scheduler, runner, tok, eos)
+    engine = EngineCore(scheduler, runner, tok, eos, vocab_size=config.vocab_size)
     return engine
 
 
@@ -168,6 +172,10 @@ class LLM:
                     o.text += d.text
                     if d.logprobs and o.logprobs is not None:
                         o.logprobs.extend(d.logprobs)
+                    if d.prompt_logprobs is not None:
+                        o.prompt_logprobs = d.prompt_logprobs
+                    if d.num_cached_tokens is not None:
+                        o.num_cached_tokens = d.num_cached_tokens
                     if d.finished:
                         o.finish_reason = d.finish_reason
                         if bar is not None:

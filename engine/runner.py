@@ -71,9 +71,11 @@ class ModelRunner:
         tables: list[list[int]] = []
         sample_rows: list[int] = []  # token index (in the flat batch) of each sampling request
         sample_reqs = []
+        scored: list[tuple] = []  # (request, first position, first row, rows) for prompt logprobs
         for req in out.scheduled:
             n = out.num_scheduled_tokens[req.request_id]
             start = req.num_computed_tokens
+            first_row = len(input_ids)
             input_ids.extend(req.all_token_ids[start : start + n])
             query_lens.append(n)
             seq_lens.append(start + n)
@@ -81,6 +83,13 @@ class ModelRunner:
             if start + n == len(req.all_token_ids):
                 sample_rows.append(len(input_ids) - 1)
                 sample_reqs.append(req)
+            plp = req.prompt_logprobs
+            if plp is not None and plp.num_missing:
+                # position p's logits score prompt token p + 1 (the last prompt position's
+                # logits are the first sample's, not a prompt record)
+                end = min(start + n, req.num_prompt_tokens - 1)
+                if end > start:
+                    scored.append((req, start, first_row, end - start))
 
         t0 = time.perf_counter()
         meta, positions = AttentionMetadata.build(
@@ -88,6 +97,8 @@ class ModelRunner:
         )
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         hidden = self.model(ids, positions, self.kv_caches, meta)  # [num_tokens, hidden]
+        if scored:
+            self._score_prompts(hidden, scored)
         if not sample_reqs:
             self.forward_time += time.perf_counter() - t0
             return RunnerOutput()
@@ -109,3 +120,33 @@ class ModelRunner:
             r.request_id: lp for r, lp in zip(sample_reqs, result.logprobs) if lp is not None
         }
         return RunnerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+    def _score_prompts(self, hidden: torch.Tensor, scored: list[tuple]) -> None:
+        """Fill the prompt log-prob records of this step's prompt positions (one logits call
+        for all of them): `log_softmax` of the model's logits, as the sampler's logprobs."""
+        rows, targets = [], []
+        for req, start, first_row, count in scored:
+            rows.extend(range(first_row, first_row + count))
+            targets.extend(req.all_token_ids[start + 1 : start + 1 + count])
+        dev = self.device
+        logits = self.model.compute_logits(
+            hidden.index_select(0, torch.tensor(rows, dtype=torch.long, device=dev))
+        )
+        logprobs = logits.float().log_softmax(dim=-1)
+        picked = logprobs.gather(1, torch.tensor(targets, device=dev).unsqueeze(1)).squeeze(1)
+        top_n = max(req.prompt_logprobs.top for req, *_ in scored)
+        top_vals = top_ids = None
+        if top_n:
+            top_vals, top_ids = (t.tolist() for t in logprobs.topk(top_n, dim=-1))
+        picked_l = picked.tolist()
+        j = 0
+        for req, start, _, count in scored:
+            plp, k = req.prompt_logprobs, req.prompt_logprobs.top
+            for p in range(start + 1, start + 1 + count):
+                if plp.entries[p] is None:  # recomputed after preemption: keep the first
+                    entry = [(targets[j], picked_l[j])]
+                    if k:
+                        entry.extend(zip(top_ids[j][:k], top_vals[j][:k]))
+                    plp.entries[p] = entry
+                    plp.num_missing -= 1
+                j += 1

@@ -4,6 +4,8 @@ Pipeline per row, in this order (vLLM v0 / Hugging Face order):
 
 1. penalties: repetition (tokens in prompt + output: positive logits divided, negative
    multiplied), then frequency (`-= f * count in output`) and presence (`-= p` if in output);
+   then `logit_bias` is added (one scatter over the biased rows: +100 all but forces a token,
+   -100 all but bans it);
 2. greedy rows: argmax of the penalized logits; the rest:
 3. temperature, then top-k, top-p, min-p filtering (filtered tokens get -inf);
 4. softmax and an exponential race: `argmax(probs / q)` with `q ~ Exp(1)` per token, which
@@ -116,6 +118,10 @@ class Sampler:
                 logits, pen_rows, params, prompt_token_ids, output_token_ids
             )
 
+        bias_rows = [i for i, p in enumerate(params) if p.logit_bias]
+        if bias_rows:
+            logits = _apply_logit_bias(logits, bias_rows, params)
+
         rand_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         steps = [len(output_token_ids[i]) for i in rand_rows]
         if not rand_rows:
@@ -223,6 +229,27 @@ def _apply_penalties_to_rows(
         torch.tensor([params[i].repetition_penalty for i in rows], device=dev, dtype=dt),
     )
     return logits.index_copy(0, idx, penalized)
+
+
+def _apply_logit_bias(
+    logits: torch.Tensor, rows: list[int], params: Sequence[SamplingParams]
+) -> torch.Tensor:
+    """Copy of `logits` with each row's `logit_bias` added (ids were checked against the vocab
+    when the request was added)."""
+    flat_rows, flat_ids, values = [], [], []
+    for i in rows:
+        for token, bias in params[i].logit_bias.items():
+            flat_rows.append(i)
+            flat_ids.append(token)
+            values.append(bias)
+    dev = logits.device
+    out = logits.clone()
+    out.index_put_(
+        (torch.tensor(flat_rows, device=dev), torch.tensor(flat_ids, device=dev)),
+        torch.tensor(values, device=dev, dtype=logits.dtype),
+        accumulate=True,
+    )
+    return out
 
 
 def _token_counts(

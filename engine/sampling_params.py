@@ -9,7 +9,10 @@ engine) can trust the values. Ranges:
 * `top_p` in (0, 1]; `top_k` is 0 or -1 (off) or >= 1; `min_p` in [0, 1].
 * `presence_penalty`, `frequency_penalty` in [-2, 2] (OpenAI's range); `repetition_penalty > 0`
   (1 = off).
-* `max_tokens >= 1`; `logprobs` None or 0..20 (0 = only the sampled token's logprob).
+* `max_tokens >= 1`; `logprobs` None or 0..20 (0 = only the sampled token's logprob);
+  `prompt_logprobs` None or 0..20 (vLLM's name: a log-prob record for every prompt position).
+* `logit_bias`: {token id >= 0: bias}, each bias clamped to [-100, 100] as OpenAI does; the
+  engine checks the ids against its vocabulary when the request is added.
 * `n == 1` only, for now.
 """
 
@@ -18,6 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for logit_bias values
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy; penalties this close to neutral are off
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
 
@@ -52,6 +56,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # subtracted per occurrence in the generated tokens
     repetition_penalty: float = 1.0  # >1 discourages tokens seen in prompt or output
     logprobs: int | None = None  # return the sampled token's logprob and the top-N
+    # for every prompt token after the first: its logprob under the model and the top-N
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None  # added to the logits before sampling
     include_stop_str_in_output: bool = False  # keep the matched stop string in the text
     skip_special_tokens: bool = True  # drop special tokens from the output text
 
@@ -86,6 +93,22 @@ class SamplingParams:
                 raise ValueError(
                     f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {lp!r}"
                 )
+
+        if self.prompt_logprobs is not None:
+            lp = self.prompt_logprobs
+            if isinstance(lp, bool) or not isinstance(lp, int) or not 0 <= lp <= MAX_LOGPROBS:
+                raise ValueError(
+                    f"prompt_logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {lp!r}"
+                )
+        if self.logit_bias is not None:
+            bias: dict[int, float] = {}
+            for t, b in dict(self.logit_bias).items():
+                if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                    raise ValueError(f"logit_bias keys must be token ids >= 0, got {t!r}")
+                if isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b):
+                    raise ValueError(f"logit_bias values must be finite numbers, got {b!r}")
+                bias[t] = min(LOGIT_BIAS_LIMIT, max(-LOGIT_BIAS_LIMIT, float(b)))
+            self.logit_bias = bias or None
 
         if self.stop is None:
             self.stop = []

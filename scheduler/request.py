@@ -62,6 +62,8 @@ class Request:
         "num_prompt_charged",
         "sampling_params",
         "seq",
+        "prompt_logprobs",
+        "num_cached_tokens",
     )
 
     def __init__(
@@ -108,6 +110,12 @@ class Request:
         # tenant's fault and is not charged twice.
         self.num_prompt_charged = 0
         self.sampling_params = sampling_params  # opaque to the scheduler; the engine's
+        # The prompt's log-prob records while asked for (SamplingParams.prompt_logprobs):
+        # filled by the runner; the scheduler reads only whether any is missing (those need
+        # logits, so the prefix cache is bypassed until they are all there).
+        self.prompt_logprobs: PromptLogprobs | None = None
+        # Prompt tokens its first admission found in the prefix cache (None: not yet admitted).
+        self.num_cached_tokens: int | None = None
         self.seq = 0  # admission sequence number, set by the scheduler (FIFO tie-break)
         # Scheduler-owned: running, and its next step is one token into a slot it already
         # holds (see Scheduler._attention for the requests that are not)
@@ -141,6 +149,29 @@ class Request:
             f"Request({self.request_id!r}, tenant={self.tenant!r}, prio={self.priority}, "
             f"{self.status.name}, computed={self.num_computed_tokens}/{self.num_tokens})"
         )
+
+
+class PromptLogprobs:
+    """Log-prob records of a request's prompt tokens, as its prefill computes them.
+
+    `entries[i]` (i >= 1) is the record of prompt token i under the model given tokens < i:
+    `[(token_i, logprob), (top1, logprob), ...]`, the sampler's format; `entries[0]` stays
+    None (nothing precedes the first token). `sent`: the engine has delivered them.
+    """
+
+    __slots__ = ("entries", "num_missing", "top", "sent")
+
+    def __init__(self, num_prompt_tokens: int, top: int) -> None:
+        self.entries: list = [None] * num_prompt_tokens
+        self.num_missing = num_prompt_tokens - 1
+        self.top = top  # how many most likely tokens each record lists
+        self.sent = False
+
+    def __getstate__(self):
+        return (self.entries, self.num_missing, self.top, self.sent)
+
+    def __setstate__(self, state) -> None:
+        self.entries, self.num_missing, self.top, self.sent = state
 
 
 class OutputTokens(Sequence[int]):

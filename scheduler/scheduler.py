@@ -277,7 +277,12 @@ class Scheduler:
                     return
                 budget = self.config.max_num_batched_tokens - out.total_num_scheduled_tokens
                 continue
-            computed, num_cached_tokens = self.kv.get_computed_blocks(request)
+            if request.prompt_logprobs is not None and request.prompt_logprobs.num_missing:
+                # Its prompt's log-probs need every position's logits, which cached blocks
+                # never produced: compute the whole prompt (as vLLM does), once.
+                computed, num_cached_tokens = [], 0
+            else:
+                computed, num_cached_tokens = self.kv.get_computed_blocks(request)
             remaining = request.num_tokens - request.num_computed_tokens - num_cached_tokens
             n = min(remaining, budget)
             if n < remaining and not self.config.enable_chunked_prefill:
@@ -292,6 +297,8 @@ class Scheduler:
             policy.remove(request, served=True)
             request.num_computed_tokens += num_cached_tokens
             self.num_prefix_hit_tokens += num_cached_tokens
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = num_cached_tokens
             self._start_running(request)
             self._add_scheduled(out, request, n, new_ids)
             budget -= n
