@@ -152,6 +152,9 @@ class EngineCore:
             "waiting": s.num_waiting,
             "swapped": len(s.swapped),
             "kv_usage": 1.0 - s.kv.num_free_blocks / max(pool.num_blocks, 1),
+            # per tenant: weighted service, and the virtual counters (service / weight)
+            "tenant_service": s.policy.service(),
+            "tenant_counters": s.policy.counters(),
         }
 
     # ---- the step ---------------------------------------------------------------------------
