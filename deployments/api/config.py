@@ -70,6 +70,15 @@ class LimitsConfig(_Strict):
     max_model_len: int | None = Field(default=None, ge=2)  # None = the backend's own limit
     default_max_tokens: int = Field(default=256, ge=1)  # chat requests without max_tokens
     max_stop_sequences: int = Field(default=4, ge=1, le=64)  # OpenAI allows 4
+    max_prompts_per_request: int = Field(default=64, ge=1, le=4096)  # /v1/completions batches
+
+
+class MetricsConfig(_Strict):
+    """GET /metrics (Prometheus text). Open by default: `fairbatch serve` binds loopback, so
+    whoever can reach the port can read it (tenant names and load, never keys or text)."""
+
+    enabled: bool = True
+    require_admin_key: bool = False  # 401 without the admin key, as the admin routes
 
 
 class AppConfig(_Strict):
@@ -85,6 +94,7 @@ class AppConfig(_Strict):
     admin_api_key: str | None = Field(default=None, min_length=1, repr=False)  # hashed on load
     admin_api_key_sha256: str | None = Field(default=None, pattern=SHA256_HEX, repr=False)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     # A streamed request's deltas that arrive within this many ms of its last chunk leave as
     # one SSE chunk (0 = a chunk per delta); the first token always leaves at once.
     stream_interval_ms: float = Field(default=50.0, ge=0, le=1000)
@@ -103,6 +113,8 @@ class AppConfig(_Strict):
             object.__setattr__(self, "admin_api_key", None)
         elif self.admin_api_key_sha256 is not None:
             object.__setattr__(self, "admin_api_key_sha256", self.admin_api_key_sha256.lower())
+        if self.metrics.require_admin_key and self.admin_api_key_sha256 is None:
+            raise ValueError("metrics.require_admin_key: no admin key is configured")
         if self.allow_anonymous is None:
             keyed = any(t.api_key_sha256 is not None for t in self.tenants)
             object.__setattr__(self, "allow_anonymous", not keyed)

@@ -78,6 +78,8 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None]:
         msg = str(e.get("msg", "invalid value")).removeprefix("Value error, ")
         if e.get("type") == "missing":
             parts.append(f"missing required field '{loc}'")
+        elif e.get("type") == "extra_forbidden":
+            parts.append(f"unsupported field '{loc}': this server does not implement it")
         else:
             parts.append(f"{loc}: {msg}" if loc and not msg.startswith(loc) else msg)
     more = len(errors) - 3

@@ -1,14 +1,22 @@
-"""One admitted request after its first delta: backend deltas -> OpenAI response bodies.
+"""Admitted requests after their first delta: backend deltas -> OpenAI response bodies.
 
-`ResponseRun.complete()` collects a whole completion (cancelled if the client leaves);
-`ResponseRun.stream()` yields SSE chunks shaped as OpenAI's (`chat.completion.chunk` or
-`text_completion`), with a usage chunk at the end when asked, an error event if the backend
-fails or the request is cancelled, and `data: [DONE]` last. `close()` releases the request's
-slot and closes the backend stream exactly once, whichever way the response ended.
+One `ResponseRun` per engine request (a /v1/completions body with a list of prompts has one
+per prompt, each a choice with its `index`). `complete_runs()` collects a whole response
+(cancelled if the client leaves); `stream_runs()` yields SSE chunks shaped as OpenAI's
+(`chat.completion.chunk` or `text_completion`; several prompts' chunks interleave, tagged by
+index), with a usage chunk at the end when asked, an error event if a backend stream fails or
+a request is cancelled, and `data: [DONE]` last. `ResponseRun.close()` releases the request's
+slot and closes its backend stream exactly once, whichever way the response ended.
+
+Echo (completions): the choice's text starts with the prompt and, with `logprobs`, its
+log-probs start with the prompt's (the first token's entry null), from the engine's
+`prompt_logprobs`. `max_tokens: 0` with echo scores the prompt only: the engine runs one
+token, which is dropped and not charged.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -29,7 +37,17 @@ class ResponseRun:
     """One admitted request after its first delta: turns deltas into OpenAI bodies."""
 
     def __init__(
-        self, api: Any, ticket: Admission, it: Any, first: Any, *, chat: bool, top_n: int | None
+        self,
+        api: Any,
+        ticket: Admission,
+        it: Any,
+        first: Any,
+        *,
+        chat: bool,
+        top_n: int | None,
+        index: int = 0,
+        echo: tuple[str, list[int]] | None = None,
+        discard_output: bool = False,
     ) -> None:
         self.api = api
         self.ticket = ticket
@@ -37,6 +55,10 @@ class ResponseRun:
         self.first = first
         self.chat = chat
         self.top_n = top_n  # None = no logprobs
+        self.index = index
+        self.echo = echo  # (prompt text, prompt ids) to put before the completion
+        self.discard_output = discard_output  # max_tokens 0: the one engine token is dropped
+        self.cached_tokens = 0
         self.text_len = 0
         self.created = ticket.created
         self.object = "chat.completion" if chat else "text_completion"
@@ -64,7 +86,12 @@ class ResponseRun:
             await close_stream(self.it)
 
     def account(self, delta: Any) -> None:
+        if self.discard_output:
+            delta.token_ids, delta.text, delta.logprobs = [], "", None
         self.ticket.charge(len(delta.token_ids))
+        cached = getattr(delta, "num_cached_tokens", None)  # the first delta's, once
+        if cached is not None and not self.cached_tokens:
+            self.cached_tokens = cached
         if delta.finished:
             self.ticket.finished = True
             self.ticket.finish_reason = delta.finish_reason
@@ -80,24 +107,34 @@ class ResponseRun:
             return {"content": fmt.chat(records, self.top_n or 0)}
         return fmt.completion(records, self.top_n or 0, self.text_len)
 
-    async def complete(self, request: Request) -> JSONResponse:
-        try:
-            return await until_disconnect(request, self._collect())
-        except (ApiError, ClientGone):
-            raise
-        except Exception as e:  # the backend failed mid-way: 503, not 500
-            self.outcome = "error"
-            log.warning(
-                "backend failed request_id=%s: %s", self.ticket.request_id, type(e).__name__
-            )
-            raise self.api.backend_error(self.ticket) from None
-        finally:
-            await self.close()
+    def echoed(self, delta: Any) -> tuple[str, list[Any]]:
+        """The prompt's text and log-prob records, for the first delta of an echo run."""
+        text, ids = self.echo
+        if self.top_n is None:
+            return text, []
+        scored = getattr(delta, "prompt_logprobs", None)
+        if scored is None:
+            raise ApiError(
+                503, "the backend returned no prompt log-probs", type="server_error",
+                code="backend_unavailable",
+            )  # fmt: skip
+        return text, [[(ids[0], None)], *scored[1:]]
 
-    async def _collect(self) -> JSONResponse:
+    def usage(self) -> tuple[int, int, int]:
+        t = self.ticket
+        return t.prompt_tokens, t.completion_tokens, self.cached_tokens
+
+    async def collect(self) -> dict:
+        """The whole choice (raises ApiError when the request failed or was cancelled)."""
         text, records, reason = [], [], None
+        first = True
         async for d in self.deltas():
             self.account(d)
+            if first and self.echo is not None:
+                prompt_text, prompt_records = self.echoed(d)
+                text.append(prompt_text)
+                records.extend(prompt_records)
+            first = False
             text.append(d.text)
             lps = getattr(d, "logprobs", None)
             if self.top_n is not None and lps:
@@ -109,37 +146,15 @@ class ResponseRun:
         if err is not None:
             self.outcome = reason or "error"
             raise err
-        t = self.ticket
         out_text = "".join(text)
         lp = self.logprobs(records) if self.top_n is not None else None
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": out_text}}
         else:
-            choice = {"index": 0, "text": out_text}
+            choice = {"index": self.index, "text": out_text}
         choice.update(logprobs=lp, finish_reason=S.finish_reason(reason))
         self.outcome = "ok"
-        return JSONResponse(
-            {
-                "id": t.request_id,
-                "object": self.object,
-                "created": self.created,
-                "model": self.api.model_name,
-                "choices": [choice],
-                "usage": S.usage(t.prompt_tokens, t.completion_tokens),
-            }
-        )
-
-    def chunk(self, choice: dict | None, include_usage: bool, usage: dict | None = None) -> str:
-        body: dict[str, Any] = {
-            "id": self.ticket.request_id,
-            "object": "chat.completion.chunk" if self.chat else "text_completion",
-            "created": self.created,
-            "model": self.api.model_name,
-            "choices": [] if choice is None else [choice],
-        }
-        if include_usage:
-            body["usage"] = usage
-        return sse(body)
+        return choice
 
     def choice(self, text: str, records: list[Any] | None, reason: str | None) -> dict:
         lp = self.logprobs(records) if self.top_n is not None and records else None
@@ -147,44 +162,141 @@ class ResponseRun:
             delta = {"content": text} if text or reason is None else {}
             c: dict[str, Any] = {"index": 0, "delta": delta}
         else:
-            c = {"index": 0, "text": text}
+            c = {"index": self.index, "text": text}
         c.update(logprobs=lp, finish_reason=S.finish_reason(reason))
         self.text_len += len(text)
         return c
 
-    async def stream(self, include_usage: bool) -> AsyncIterator[str]:
-        t = self.ticket
+    async def choices(self) -> AsyncIterator[dict | ApiError]:
+        """This run's streamed choices, then nothing; an ApiError item when it failed."""
         merged = None
         try:
             if self.chat:
-                role = {"index": 0, "delta": {"role": "assistant", "content": ""}}
-                yield self.chunk(dict(role, logprobs=None, finish_reason=None), include_usage)
+                yield {"index": 0, "delta": {"role": "assistant", "content": ""},
+                       "logprobs": None, "finish_reason": None}  # fmt: skip
             interval_s = self.api.config.stream_interval_ms / 1000.0
             merged = coalesce(self.deltas(), interval_s)
+            first = True
             async for d in merged:
                 self.account(d)
                 reason = d.finish_reason if d.finished else None
                 err = self.outcome_error(reason)
                 if err is not None:
                     self.outcome = reason or "error"
-                    yield sse(err.body())
-                    break
-                lps = getattr(d, "logprobs", None)  # optional: cluster items may not carry it
-                if d.text or lps or reason is not None:
-                    yield self.chunk(self.choice(d.text, lps, reason), include_usage)
+                    yield err
+                    return
+                text, lps = d.text, getattr(d, "logprobs", None)  # cluster items may lack it
+                if first and self.echo is not None:
+                    prompt_text, prompt_records = self.echoed(d)
+                    text = prompt_text + text
+                    lps = [*prompt_records, *(lps or [])]
+                first = False
+                if text or lps or reason is not None:
+                    yield self.choice(text, lps, reason)
                 if d.finished:
                     self.outcome = "ok"
-                    if include_usage:
-                        u = S.usage(t.prompt_tokens, t.completion_tokens)
-                        yield self.chunk(None, True, u)
-                    break
-            yield sse("[DONE]")
-        except Exception as e:  # the backend failed mid-stream: say so, then end cleanly
+                    return
+        except ApiError as e:
             self.outcome = "error"
-            log.warning("stream failed request_id=%s: %s", t.request_id, type(e).__name__)
-            yield sse(self.api.backend_error(t).body())
-            yield sse("[DONE]")
+            yield e
+        except Exception as e:  # the backend failed mid-stream
+            self.outcome = "error"
+            log.warning("stream failed request_id=%s: %s", self.ticket.request_id, type(e).__name__)
+            yield self.api.backend_error(self.ticket)
         finally:
             if merged is not None:
                 await merged.aclose()
             await self.close()
+
+
+def _body(runs: list[ResponseRun], choices: list[dict]) -> dict:
+    lead = runs[0]
+    return {
+        "id": lead.ticket.request_id,
+        "object": ("chat.completion.chunk" if lead.chat else "text_completion"),
+        "created": lead.created,
+        "model": lead.api.model_name,
+        "choices": choices,
+    }
+
+
+def _usage(runs: list[ResponseRun]) -> dict:
+    totals = [sum(x) for x in zip(*(r.usage() for r in runs))]
+    return S.usage(*totals)
+
+
+async def complete_runs(request: Request, runs: list[ResponseRun]) -> JSONResponse:
+    """One response with every run's choice, in index order; any failure fails it all."""
+
+    async def gather() -> list[dict]:
+        return list(await asyncio.gather(*(r.collect() for r in runs)))
+
+    try:
+        choices = await until_disconnect(request, gather())
+    except (ApiError, ClientGone):
+        raise
+    except Exception as e:  # a backend failed mid-way: 503, not 500
+        for r in runs:
+            r.outcome = "error"
+        log.warning("backend failed request_id=%s: %s", runs[0].ticket.request_id, type(e).__name__)
+        raise runs[0].api.backend_error(runs[0].ticket) from None
+    finally:
+        for r in runs:
+            await r.close()
+    body = _body(runs, choices)
+    body["object"] = "chat.completion" if runs[0].chat else "text_completion"
+    body["usage"] = _usage(runs)
+    return JSONResponse(body)
+
+
+async def stream_runs(runs: list[ResponseRun], include_usage: bool) -> AsyncIterator[str]:
+    """SSE chunks of all runs as they come: one run's in its own order (no task, no queue);
+    several runs' through one queue, each chunk tagged with its choice's index."""
+    tasks: list[asyncio.Task] = []
+    if len(runs) == 1:
+        items = runs[0].choices()
+    else:
+        queue: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        async def pump(run: ResponseRun) -> None:
+            try:
+                async for item in run.choices():
+                    await queue.put(item)
+            finally:
+                await queue.put(done)
+
+        async def merged() -> AsyncIterator[Any]:
+            live = len(runs)
+            while live:
+                item = await queue.get()
+                if item is done:
+                    live -= 1
+                else:
+                    yield item
+
+        tasks = [asyncio.ensure_future(pump(r)) for r in runs]
+        items = merged()
+    try:
+        failed = False
+        async for item in items:
+            if isinstance(item, ApiError):
+                yield sse(item.body())
+                failed = True
+                break
+            body = _body(runs, [item])
+            if include_usage:
+                body["usage"] = None
+            yield sse(body)
+        if include_usage and not failed:
+            body = _body(runs, [])
+            body["usage"] = _usage(runs)
+            yield sse(body)
+        yield sse("[DONE]")
+    finally:
+        await items.aclose()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for r in runs:
+            await r.close()

@@ -62,7 +62,8 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+    # A field this server does not know is a 400 naming it: never silently ignored.
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid")
 
 
 class StreamOptions(_Body):
@@ -87,7 +88,28 @@ class _SamplingFields(_Body):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    user: str | None = None  # accepted, unused (never logged)
+    user: str | None = None  # OpenAI's end-user id for abuse tracking: accepted, never logged
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
+
+    def logit_bias_ids(self, vocab: int) -> dict[int, float] | None:
+        """The bias as {token id: value}, values clamped to [-100, 100] (as OpenAI does)."""
+        if not self.logit_bias:
+            return None
+        out: dict[int, float] = {}
+        for key, value in self.logit_bias.items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise bad_request(
+                    f"logit_bias keys must be token ids, got {key!r}", "logit_bias"
+                ) from None
+            if not 0 <= token < vocab:
+                raise bad_request(
+                    f"logit_bias token id {token} is outside the vocabulary [0, {vocab})",
+                    "logit_bias",
+                )
+            out[token] = min(100.0, max(-100.0, float(value)))
+        return out
 
     @field_validator("n")
     @classmethod
@@ -114,8 +136,17 @@ class _SamplingFields(_Body):
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream")
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None, stop: list[str]):
+    def sampling_params(
+        self,
+        max_tokens: int,
+        logprobs: int | None,
+        stop: list[str],
+        *,
+        vocab: int,
+        prompt_logprobs: int | None = None,
+    ):
         temperature = 1.0 if self.temperature is None else self.temperature
+        bias = self.logit_bias_ids(vocab)
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
@@ -132,43 +163,61 @@ class _SamplingFields(_Body):
                 if self.repetition_penalty is None
                 else self.repetition_penalty,
                 logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+                logit_bias=bias,
             )
         except ValueError as e:  # every range is checked above; this is a last line
             raise bad_request(str(e)) from None
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: Any = Field(default=...)  # str | list[int] | [str] | [list[int]], see `prompt_input`
+    prompt: Any = Field(default=...)  # str | list[int] | [str] | [list[int]], see `prompts`
+    # 0 only with echo: score the prompt, generate nothing
+    max_tokens: int | None = Field(default=None, ge=0)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
 
     def check_unsupported(self) -> None:
-        if self.echo:
-            raise bad_request("echo is not supported", "echo")
         if self.suffix:
             raise bad_request("suffix is not supported", "suffix")
         if self.best_of is not None and self.best_of != 1:
             raise bad_request("best_of must be 1", "best_of")
+        if self.max_tokens == 0 and not self.echo:
+            raise bad_request("max_tokens 0 is only allowed with echo", "max_tokens")
 
-    def prompt_input(self) -> str | list[int]:
-        """The one prompt: text or token ids. A batch of prompts is refused."""
+    def prompts(self, limit: int) -> list[str | list[int]]:
+        """The prompts, each text or token ids: a string, a list of token ids, or a list of
+        either (a batch: one choice per prompt, in order)."""
         p = self.prompt
-        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
-            p = p[0]  # a batch of one
-        if isinstance(p, str):
-            if not p:
-                raise bad_request("prompt must not be empty", "prompt")
-            return p
-        if isinstance(p, list):
-            if not p:
-                raise bad_request("prompt must not be empty", "prompt")
-            if all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-                return p
-            if all(isinstance(x, (str, list)) for x in p):
-                raise bad_request("only one prompt per request is supported", "prompt")
-        raise bad_request("prompt must be a string or a list of token ids", "prompt")
+        if isinstance(p, str) or (isinstance(p, list) and p and all(_is_id(t) for t in p)):
+            batch = [p]
+        elif isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p):
+            batch = p
+        elif isinstance(p, list) and not p:
+            raise bad_request("prompt must not be empty", "prompt")
+        else:
+            raise bad_request(
+                "prompt must be a string, a list of token ids, or a list of either", "prompt"
+            )
+        if len(batch) > limit:
+            raise bad_request(
+                f"at most {limit} prompts per request (limits.max_prompts_per_request), "
+                f"got {len(batch)}",
+                "prompt",
+                "too_many_prompts",
+            )
+        for i, x in enumerate(batch):
+            if not x:
+                raise bad_request(f"prompt {i} is empty", "prompt")
+            if isinstance(x, list) and not all(_is_id(t) for t in x):
+                raise bad_request(f"prompt {i} must be a string or a list of token ids", "prompt")
+        return batch
+
+
+def _is_id(t: Any) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool)
 
 
 class ChatMessage(_Body):
@@ -245,11 +294,13 @@ class TenantPatch(BaseModel):
 # ---- responses --------------------------------------------------------------------------------
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage object; `cached_tokens`: prompt tokens served from the prefix cache."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 
@@ -305,13 +356,16 @@ class LogprobFormatter:
         return out
 
     def completion(self, records: list[Any], top_n: int, offset: int) -> dict:
+        """Records may hold a None log-prob (an echoed prompt's first token, which has no
+        context): its `token_logprobs` and `top_logprobs` entries are null, as OpenAI's."""
         tokens, token_lps, tops, offsets = [], [], [], []
         for rec in records:
             (tid, lp), top = rec[0], rec[1 : 1 + top_n]
             tok = self.token(tid)
             tokens.append(tok)
-            token_lps.append(_finite(lp))
-            tops.append({self.token(i): _finite(v) for i, v in top} if top_n else None)
+            token_lps.append(None if lp is None else _finite(lp))
+            scored = top_n and lp is not None
+            tops.append({self.token(i): _finite(v) for i, v in top} if scored else None)
             offsets.append(offset)
             offset += len(tok)
         return {

@@ -43,7 +43,8 @@ from fairbatch.deployments.api.http import (
     validate,
     validation_message,
 )
-from fairbatch.deployments.api.responses import ResponseRun
+from fairbatch.deployments.api.prometheus import ApiMetrics, add_metrics_route
+from fairbatch.deployments.api.responses import ResponseRun, complete_runs, stream_runs
 from fairbatch.deployments.api.schemas import ApiError, bad_request
 from fairbatch.deployments.api.tenants import (
     Admission,
@@ -68,6 +69,7 @@ class _Api:
         self.config = config
         self.limits = config.limits
         self.registry = TenantRegistry(config, clock)
+        self.metrics = ApiMetrics()
         if config.anonymous_risk is not None:
             log.warning("%s", config.anonymous_risk)
         self.model_name = config.model_name
@@ -196,6 +198,7 @@ class _Api:
         # Only a tenant in a prefix-cache group passes a salt: without one the backend salts
         # with the tenant name, and backends that predate the kwarg keep working.
         salt = ticket.tenant.cache_salt
+        self.metrics.started(ticket)
         it = self.backend.generate(
             prompt_ids,
             params,
@@ -206,6 +209,7 @@ class _Api:
         )
         try:
             first = await until_disconnect(request, it.__anext__())
+            self.metrics.first_token(ticket, first)
         except BaseException as e:
             await close_stream(it)
             self.registry.release(ticket)
@@ -219,6 +223,7 @@ class _Api:
                 e = RuntimeError("the backend stream ended without output")
             if isinstance(e, Exception):
                 log.warning("backend failed request_id=%s: %s", ticket.request_id, type(e).__name__)
+                self.metrics.finished(ticket, "error")
                 raise self.backend_error(ticket) from None
             raise
         return it, first
@@ -235,6 +240,7 @@ class _Api:
         )
 
     def finish_log(self, ticket: Admission, outcome: str) -> None:
+        self.metrics.finished(ticket, outcome)
         log.info(
             "request_id=%s tenant=%s outcome=%s prompt_tokens=%d completion_tokens=%d",
             ticket.request_id,
@@ -340,18 +346,63 @@ def create_app(
         api.check_model(body.model)
         body.check_unsupported()
         body.check_stream_options()
-        prompt = body.prompt_input()
-        ids = api.check_ids(prompt) if isinstance(prompt, list) else await api.encode(prompt)
-        max_tokens = api.max_tokens(len(ids), body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS)
         stop = body.stop_list(api.limits.max_stop_sequences)
-        params = body.sampling_params(max_tokens, body.logprobs, stop)
-        ticket = api.admit(tenant, "cmpl", len(ids))
-        it, first = await api.start(request, ticket, ids, params)
-        run = ResponseRun(api, ticket, it, first, chat=False, top_n=body.logprobs)
+        vocab = api.tokenizer.vocab_size
+        # echo with logprobs scores the prompt too; max_tokens 0 runs one token, then drops it
+        prompt_top = body.logprobs if body.echo else None
+        jobs = []  # (text or None, ids, params), validated before anything is admitted
+        for prompt in body.prompts(api.limits.max_prompts_per_request):
+            ids = api.check_ids(prompt) if isinstance(prompt, list) else await api.encode(prompt)
+            requested = 1 if body.max_tokens == 0 else body.max_tokens
+            max_tokens = api.max_tokens(len(ids), requested, COMPLETION_DEFAULT_MAX_TOKENS)
+            params = body.sampling_params(
+                max_tokens, body.logprobs, stop, vocab=vocab, prompt_logprobs=prompt_top
+            )
+            jobs.append((prompt if isinstance(prompt, str) else None, ids, params))
+        tickets: list[Admission] = []
+        try:
+            for _, ids, _ in jobs:
+                tickets.append(api.admit(tenant, "cmpl", len(ids)))
+        except ApiError:
+            for t in tickets:  # all or nothing: the admitted part is given back
+                api.registry.release(t)
+                api.registry.refund(t)
+            raise
+        started = await asyncio.gather(
+            *(api.start(request, t, ids, params) for t, (_, ids, params) in zip(tickets, jobs)),
+            return_exceptions=True,
+        )
+        failed = next((e for e in started if isinstance(e, BaseException)), None)
+        if failed is not None:  # each failed start released its own ticket
+            for got in started:
+                if not isinstance(got, BaseException):
+                    await close_stream(got[0])
+            for t, got in zip(tickets, started):
+                if not isinstance(got, BaseException):
+                    api.registry.release(t)
+                    api.finish_log(t, "error")
+            raise failed
+        runs = []
+        for i, (ticket, (it, first), (text, ids, _)) in enumerate(zip(tickets, started, jobs)):
+            echo = None
+            if body.echo:
+                echo = (text if text is not None else api.tokenizer.decode(ids), ids)
+            runs.append(ResponseRun(
+                api, ticket, it, first, chat=False, top_n=body.logprobs, index=i, echo=echo,
+                discard_output=body.max_tokens == 0,
+            ))  # fmt: skip
+        return await respond(request, runs, body)
+
+    async def respond(request: Request, runs: list[ResponseRun], body: Any) -> Any:
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
-            return SSEResponse(run.stream(usage), run.close)
-        return await run.complete(request)
+
+            async def close_all() -> None:
+                for r in runs:
+                    await r.close()
+
+            return SSEResponse(stream_runs(runs, usage), close_all)
+        return await complete_runs(request, runs)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
@@ -374,14 +425,11 @@ def create_app(
         max_tokens = api.max_tokens(len(ids), requested, api.limits.default_max_tokens)
         stop = body.stop_list(api.limits.max_stop_sequences)
         top_n = (body.top_logprobs or 0) if body.logprobs else None
-        params = body.sampling_params(max_tokens, top_n, stop)
+        params = body.sampling_params(max_tokens, top_n, stop, vocab=api.tokenizer.vocab_size)
         ticket = api.admit(tenant, "chatcmpl", len(ids))
         it, first = await api.start(request, ticket, ids, params)
         run = ResponseRun(api, ticket, it, first, chat=True, top_n=top_n)
-        if body.stream:
-            usage = bool(body.stream_options and body.stream_options.include_usage)
-            return SSEResponse(run.stream(usage), run.close)
-        return await run.complete(request)
+        return await respond(request, [run], body)
 
     # -- the caller's own requests ---------------------------------------------------------
 
@@ -410,6 +458,8 @@ def create_app(
         await api.backend.abort(t.request_id)
         log.info("cancel request_id=%s tenant=%s", t.request_id, t.tenant.name)
         return {"id": t.request_id, "object": "request", "cancelled": True}
+
+    add_metrics_route(app, api)  # GET /metrics (see prometheus.py)
 
     # -- admin -----------------------------------------------------------------------------
 

@@ -135,7 +135,12 @@ def test_backend_receives_ids_params_tenant_and_priority(served):
     p = call["params"]
     assert (p.max_tokens, p.temperature, p.seed, p.stop) == (4, 0.5, 3, ["x"])
     n = len(call["ids"])
-    assert r.json()["usage"] == {"prompt_tokens": n, "completion_tokens": 3, "total_tokens": n + 3}
+    assert r.json()["usage"] == {
+        "prompt_tokens": n,
+        "completion_tokens": 3,
+        "total_tokens": n + 3,
+        "prompt_tokens_details": {"cached_tokens": 0},  # the scripted backend reports none
+    }
 
 
 def test_tenants_pushed_at_startup(served):
@@ -160,7 +165,8 @@ def test_backend_refusal_is_400(served):
 def test_backend_failure_is_503_not_500(served, mode):
     c, backend, _ = served
     backend.mode = mode
-    r = c.post("/v1/chat/completions", json=comp(messages=[{"role": "user", "content": "x"}]))
+    body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "x"}]}
+    r = c.post("/v1/chat/completions", json=body)
     assert r.status_code == 503 and r.headers["retry-after"] == "1"
     assert r.json()["error"]["code"] == "backend_unavailable"
 

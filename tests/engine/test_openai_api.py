@@ -195,7 +195,11 @@ def test_streaming_chat_equals_non_streaming(main_app):
     assert len({ch.id for ch in chunks}) == 1 and chunks[0].object == "chat.completion.chunk"
     # include_usage: every chunk has usage null except the last, which has no choices.
     assert all(ch.usage is None for ch in chunks[:-1])
-    assert chunks[-1].choices == [] and chunks[-1].usage == full.usage
+    streamed = chunks[-1].usage
+    assert chunks[-1].choices == [] and streamed.total_tokens == full.usage.total_tokens
+    assert streamed.completion_tokens == full.usage.completion_tokens
+    # the same prompt a second time: its full blocks come from the prefix cache
+    assert streamed.prompt_tokens_details.cached_tokens > 0
     # Without include_usage no chunk carries usage.
     _, plain, _ = _chat_stream(c, **kwargs)
     assert all(ch.usage is None for ch in plain)
