@@ -7,6 +7,8 @@ It follows the request wherever it goes:
   * a `Moved` item (migration): adopt it on the destination replica, read it from that channel;
   * the replica dies mid-stream: tell the controller, and resubmit prompt + the tokens already
     delivered (same request id, same params) so the caller sees no gap and no repeat;
+    the first item's `prompt_logprobs` and `num_cached_tokens` reach the caller once (the
+    resubmission does not ask for prompt logprobs again once the caller has them);
   * the controller is restarting: Ray retries `admit` (idempotent per request id) and the
     client retries on errors until `admit_timeout_s`.
 Inside an actor (the ingress), every submission names that actor as its owner, so a replica
@@ -17,6 +19,7 @@ Every stream ends with a finished item: tokens, or finish_reason "error". Nothin
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -26,7 +29,13 @@ import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
 
 from fairbatch.deployments.cluster.channel import LinkLost, ReplicaLink, RequestRefused
-from fairbatch.deployments.cluster.wire import Assignment, Moved, RequestMeta, StreamItem
+from fairbatch.deployments.cluster.wire import (
+    FIRST_ONLY,
+    Assignment,
+    Moved,
+    RequestMeta,
+    StreamItem,
+)
 from fairbatch.engine.sampling_params import SamplingParams
 from fairbatch.kv.block_pool import hash_block
 
@@ -125,6 +134,7 @@ class ClusterClient:
             prefix_hashes=self.prefix_hashes(list(prompt_ids), cache_salt or tenant),
         )
         delivered: list[int] = []
+        sent: set[str] = set()  # the FIRST_ONLY fields the caller has had
         resubmits = 0
         finished = False
         replica_id, handle = "", None
@@ -163,6 +173,7 @@ class ClusterClient:
                             await link.adopt(item.migrated)
                             continue
                         delivered.extend(item.token_ids)
+                        _pass_once(item, sent)
                         if item.finished:
                             finished = True
                         yield item
@@ -180,6 +191,8 @@ class ClusterClient:
                     await self._report_failure(replica_id)
                     meta.output_ids = list(delivered)
                     meta.attempt += 1
+                    if "prompt_logprobs" in sent:  # the caller has them: not scored again
+                        meta.params = dataclasses.replace(meta.params, prompt_logprobs=None)
                 except (RequestRefused, RayTaskError, asyncio.TimeoutError) as e:
                     # a bad request, or a stall
                     await self._abandon(rid, handle)
@@ -255,6 +268,16 @@ class ClusterClient:
                 handle.abort.remote(request_id)
         except Exception:
             pass
+
+
+def _pass_once(item: StreamItem, sent: set[str]) -> None:
+    """Clear the FIRST_ONLY fields of `item` that the caller already had from this request
+    (the replica that takes over a resubmission may send them again); note the others."""
+    for name in FIRST_ONLY:
+        if getattr(item, name) is not None:
+            if name in sent:
+                setattr(item, name, None)
+            sent.add(name)
 
 
 async def _get(queue: asyncio.Queue, timeout_s: float) -> Any:

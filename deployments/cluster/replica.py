@@ -331,6 +331,8 @@ class Replica:
                 replica_id,
                 logprobs=d.logprobs,
                 request_id=d.request_id,
+                prompt_logprobs=d.prompt_logprobs,
+                num_cached_tokens=d.num_cached_tokens,
             )
             if d.finished:
                 self._end(d.request_id, item)

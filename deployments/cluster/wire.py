@@ -10,6 +10,8 @@ from typing import Any
 
 from fairbatch.engine.sampling_params import SamplingParams
 
+FIRST_ONLY = ("prompt_logprobs", "num_cached_tokens")  # StreamItem fields a request gets once
+
 
 @dataclass
 class RequestMeta:
@@ -45,6 +47,11 @@ class StreamItem:
     # None unless the request asked for logprobs
     logprobs: list | None = None
     request_id: str = ""  # whose tokens (a channel message carries many requests' items)
+    # With the request's first tokens only (`RequestDelta`'s fields): the prompt's log-prob
+    # records when asked for (entry 0 None, then one per prompt token), and the prompt tokens
+    # its admission found in the prefix cache. The client passes each on once per request.
+    prompt_logprobs: list | None = None
+    num_cached_tokens: int | None = None
 
 
 @dataclass

@@ -81,6 +81,8 @@ class ClusterBackend:
                     item.finished,
                     item.finish_reason,
                     item.logprobs,
+                    item.prompt_logprobs,
+                    item.num_cached_tokens,
                 )
                 if item.finished:
                     reason = item.finish_reason or "stop"

@@ -4,13 +4,18 @@
 
     fb = serve.get_app_handle("fairbatch")
     out = await fb.complete.remote({"prompt": "Hello", "tenant": "team-a", "max_tokens": 16})
-    # {"id", "text", "token_ids", "finish_reason", "usage": {...}}
+    # {"id", "text", "token_ids", "finish_reason", "usage": {...}, "num_cached_tokens"}
 
     stream = fb.options(stream=True).generate.remote(
         {"messages": [{"role": "user", "content": "Hi"}], "tenant": "team-a", "max_tokens": 32}
     )
     async for chunk in stream:  # {"id", "text", "token_ids", "finished", "finish_reason"}
         ...
+
+The first chunk also carries "num_cached_tokens" (prompt tokens found in the prefix cache)
+and, when the call set `prompt_logprobs: k`, "prompt_logprobs" (None for the first prompt
+token, then one record [(token, logprob), (top1, logprob), ...] per prompt token); `complete`
+returns both.
 
 A call is admitted exactly as an HTTP request is (the tenant's quota and in-flight bounds,
 the model's context length); a refusal raises `HandleRejected` (status 429/503 and
@@ -34,6 +39,7 @@ from fairbatch.deployments.api.config import format_validation_error
 from fairbatch.deployments.api.http import close_stream
 from fairbatch.deployments.api.schemas import ApiError
 from fairbatch.deployments.api.tenants import Admission, Rejected
+from fairbatch.deployments.cluster.wire import FIRST_ONLY
 from fairbatch.engine.sampling_params import SamplingParams
 
 log = logging.getLogger("fairbatch.api")
@@ -68,6 +74,7 @@ class GenerateRequest(BaseModel):
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    prompt_logprobs: int | None = None  # a log-prob record per prompt token, with the top-k
     stop: list[str] | str | None = None
     ignore_eos: bool = False
 
@@ -100,15 +107,19 @@ class HandleApi:
     api_app: Any
 
     async def complete(self, request: dict[str, Any] | None = None, **kwargs: Any) -> dict:
-        """Run one request to the end: {"id", "text", "token_ids", "finish_reason", "usage"}."""
+        """Run one request to the end: {"id", "text", "token_ids", "finish_reason", "usage"},
+        plus the first chunk's "num_cached_tokens" and "prompt_logprobs" (when present)."""
         text: list[str] = []
         ids: list[int] = []
         last: dict = {}
+        once: dict = {}
         async for chunk in self.generate(request, **kwargs):
             text.append(chunk["text"])
             ids.extend(chunk["token_ids"])
+            once.update((key, chunk[key]) for key in FIRST_ONLY if key in chunk)
             last = chunk
         return {
+            **once,
             "id": last.get("id"),
             "text": "".join(text),
             "token_ids": ids,
@@ -141,6 +152,7 @@ class HandleApi:
             top_p=req.top_p,
             top_k=req.top_k,
             seed=req.seed,
+            prompt_logprobs=req.prompt_logprobs,
             stop=req.stop,
             ignore_eos=req.ignore_eos,
         )
@@ -167,6 +179,10 @@ class HandleApi:
                     "finished": d.finished,
                     "finish_reason": d.finish_reason,
                 }
+                for key in FIRST_ONLY:  # the first delta's
+                    value = getattr(d, key, None)
+                    if value is not None:
+                        chunk[key] = value
                 if d.finished:
                     outcome = d.finish_reason or "stop"
                     chunk["usage"] = {
