@@ -26,7 +26,7 @@ from fairbatch.engine.core import RequestDelta
 
 def merge(deltas: list[Any]) -> Any:
     """One delta with the tokens, text and logprobs of `deltas` (in order); finished as the
-    last one is."""
+    last one is; the first delta's prompt log-probs and cached-token count, wherever they are."""
     if len(deltas) == 1:
         return deltas[0]
     last = deltas[-1]
@@ -38,9 +38,15 @@ def merge(deltas: list[Any]) -> Any:
         if lps:
             records.extend(lps)
     text = "".join(d.text for d in deltas)
-    return RequestDelta(
+    merged = RequestDelta(
         last.request_id, tokens, text, last.finished, last.finish_reason, records or None
     )
+    for name in ("prompt_logprobs", "num_cached_tokens"):
+        merged_value = next(
+            (v for v in (getattr(d, name, None) for d in deltas) if v is not None), None
+        )
+        setattr(merged, name, merged_value)
+    return merged
 
 
 def _chunks(deltas: list[Any]) -> list[Any]:

@@ -164,3 +164,14 @@ def test_a_reader_whose_cancel_is_swallowed_still_stops_and_closes_the_backend()
     run(main())
     assert closed == [True]  # closed by the reader itself: the request is aborted
     assert len(produced) < 50  # not read to its end
+
+
+def test_a_merged_first_delta_keeps_the_prompt_logprobs_and_cached_count():
+    first = d([5], "")  # text held back: merged with the next
+    first.prompt_logprobs, first.num_cached_tokens = [None, [(3, -1.5)]], 16
+    later = d([6], "ab")
+    later.num_cached_tokens = None
+    out = run(collect(coalesce(gen([first, later, d([], "", True, "length")]), 0)))
+    assert out[0].token_ids == [5, 6] and out[0].text == "ab"
+    assert out[0].prompt_logprobs == [None, [(3, -1.5)]] and out[0].num_cached_tokens == 16
+    assert all(c.prompt_logprobs is None for c in out[1:])
