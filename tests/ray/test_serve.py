@@ -197,6 +197,42 @@ def test_completion_usage_and_stop(served):
     assert cut.usage.completion_tokens < 24
 
 
+def test_prompt_lists_echo_and_cached_tokens_through_the_cluster(served):
+    """What lm-eval and LangChain's completions LLM send: a list of prompts (one choice each, in
+    order), echo with prompt log-probs (engine values, the first null), max_tokens 0; and the
+    prefix-cache hits of a repeated prompt in usage."""
+    from fairbatch.engine import LLM, SamplingParams
+
+    ref = LLM("tiny")
+    c = client(served)
+    prompts = ["one prompt", "and another one", "a third"]
+    out = c.completions.create(model=MODEL, prompt=prompts, max_tokens=4, temperature=0,
+                               extra_body={"ignore_eos": True})  # fmt: skip
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    want = [o.text for o in ref.generate(prompts, greedy, use_tqdm=False)]
+    assert [ch.index for ch in out.choices] == [0, 1, 2]
+    assert [ch.text for ch in out.choices] == want
+    prompt = "score this prompt, token by token"
+    scored = c.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=1
+    ).choices[0]
+    engine = ref.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=1), False)[0]
+    assert scored.text == prompt
+    assert scored.logprobs.token_logprobs[0] is None
+    assert scored.logprobs.token_logprobs[1:] == pytest.approx(
+        [e[0][1] for e in engine.prompt_logprobs[1:]], abs=1e-4
+    )
+    long = " ".join(["a prompt long enough to fill whole blocks"] * 6)
+    n = len(Tokenizer.tiny().encode(long))
+    cached = [
+        c.completions.create(model=MODEL, prompt=long, max_tokens=1).usage.prompt_tokens_details
+        for _ in range(3)
+    ]
+    # 3 sends on 2 replicas: one replica saw it before; prefix affinity sends it there
+    assert cached[0].cached_tokens == 0
+    assert max(x.cached_tokens for x in cached[1:]) == (n - 1) // 16 * 16
+
+
 def test_chat_and_streaming_chat_agree(served):
     c = client(served, "b")
     messages = [{"role": "user", "content": "Say something about fair scheduling."}]
