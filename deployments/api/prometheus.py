@@ -176,22 +176,14 @@ def engine_families(s: dict):
     # The cluster's tenant accounting is the controller's; a single engine's is its policy's.
     service = ctl.get("service", s.get("tenant_service", {}))
     counters = ctl.get("counters", s.get("tenant_counters", {}))
-    svc = GaugeMetricFamily(
-        "fairbatch_tenant_service_tokens",
-        "Weighted tokens served to the tenant.",
-        labels=["tenant"],
+    yield _per_tenant(
+        "fairbatch_tenant_service_tokens", "Weighted tokens served to the tenant.", service
     )
-    for tenant, value in sorted(service.items()):
-        svc.add_metric([tenant], value)
-    yield svc
-    vtc = GaugeMetricFamily(
+    yield _per_tenant(
         "fairbatch_tenant_virtual_counter",
         "The tenant's virtual token counter (weighted service / weight).",
-        labels=["tenant"],
+        counters,
     )
-    for tenant, value in sorted(counters.items()):
-        vtc.add_metric([tenant], value)
-    yield vtc
     if "migrations" in ctl:
         yield CounterMetricFamily(
             "fairbatch_migrations", "Requests moved between replicas.", value=ctl["migrations"]
@@ -228,3 +220,10 @@ def add_metrics_route(app: FastAPI, api: Any) -> None:
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     app.add_api_route("/metrics", metrics, methods=["GET"], include_in_schema=False)
+
+
+def _per_tenant(name: str, doc: str, values: dict) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, doc, labels=["tenant"])
+    for tenant, value in sorted(values.items()):
+        family.add_metric([tenant], value)
+    return family

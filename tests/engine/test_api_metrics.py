@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import json
 import socket
-import time
 
 import httpx
 import openai
 import pytest
-from loopback import ServerLoop
+from loopback import ServerLoop, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
 from fairbatch.deployments.api.backend import LocalBackend, create_app
@@ -48,17 +47,6 @@ def serve(env, **config):
 
 def client(url: str, key: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=60)
-
-
-def wait_for(pred, what: str, timeout: float = 30.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        got = pred()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 def engine_idle(env) -> bool:
@@ -119,7 +107,7 @@ def test_metrics_count_what_was_sent_and_show_the_engine(env):
         last = chunk
     usage["bob"].append((last.usage.prompt_tokens, last.usage.completion_tokens))
 
-    wait_for(lambda: engine_idle(env), "an idle engine")
+    wait_for(lambda: engine_idle(env), 30, "an idle engine", every=0.02)
     stats = httpx.get(f"{url}/admin/stats", headers={"Authorization": f"Bearer {ADMIN}"}).json()
     m = scrape(url)
     for tenant, runs in usage.items():
@@ -179,13 +167,13 @@ def test_a_client_that_leaves_is_counted_in_its_own_app(env):
         buf += chunk
     sock.close()
     gone = {"tenant": "alice", "finish_reason": "client_gone"}
-    wait_for(lambda: value(scrape(url), "fairbatch_requests_total", **gone) == 1, "client_gone")
+    wait_for(lambda: value(scrape(url), "fairbatch_requests_total", **gone) == 1, 30, "client_gone")
     m = scrape(url)
     assert value(m, "fairbatch_ttft_seconds_count", tenant="alice") == 1
     assert [k for k in m if k[0] == "fairbatch_requests_total"] == [
         ("fairbatch_requests_total", tuple(sorted(gone.items())))
     ]
-    wait_for(lambda: engine_idle(env), "an idle engine")
+    wait_for(lambda: engine_idle(env), 30, "an idle engine", every=0.02)
 
 
 def test_metrics_gated_by_the_admin_key_or_off(env):
