@@ -73,8 +73,16 @@ class EngineCore:
         priority: int = 0,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        fork_of: str | None = None,
     ) -> Request:
+        """Add one request: one sample of the prompt. For n > 1 samples add n requests, sample
+        i with `params.for_sample(i)` and, for i >= 1, `fork_of` = sample 0's id: the siblings
+        then share sample 0's prompt blocks (one prefill; see Scheduler.add_request)."""
         params = params or SamplingParams()
+        if params.n != 1:
+            raise ValueError(
+                f"one request is one sample (n={params.n}): add each with params.for_sample(i)"
+            )
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("a text prompt needs a tokenizer; pass token ids instead")
@@ -108,7 +116,8 @@ class EngineCore:
         )
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = PromptLogprobs(len(prompt_ids), params.prompt_logprobs)
-        self.scheduler.add_request(request)  # raises on duplicates / prompts over the limit
+        # raises on duplicates / prompts over the limit
+        self.scheduler.add_request(request, fork_of=fork_of)
         self._attach_detokenizer(request)
         self._first[request.request_id] = request
         return request

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,22 @@ from fairbatch.scheduler import Scheduler, SchedulerConfig
 
 
 @dataclass
+class Sample:
+    """One of the n samples of a prompt (SamplingParams.n)."""
+
+    index: int
+    request_id: str  # the engine request that produced it
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    logprobs: list[Any] | None = None
+
+
+@dataclass
 class RequestOutput:
+    """One prompt's result. The fields describe sample 0; `samples` holds all n of them
+    (sample 0 first: for n = 1 just that one)."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
@@ -36,6 +51,7 @@ class RequestOutput:
     # [(token, lp), (top1, lp), ...] per prompt token
     prompt_logprobs: list[Any] | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    samples: list[Sample] = field(default_factory=list)
 
 
 def load_model(model: str, device: torch.device, dtype, attn_backend):
@@ -139,31 +155,36 @@ class LLM:
         else:
             plist = [params or SamplingParams()] * len(prompts)
         engine = self.engine
-        outputs: dict[str, RequestOutput] = {}
-        order = []
+        outputs: dict[str, RequestOutput] = {}  # one per engine request (sample)
+        groups: list[list[str]] = []  # per prompt: its samples' request ids, sample 0 first
         for prompt, p in zip(prompts, plist):
+            group: list[str] = []
+            groups.append(group)
             try:
-                req = engine.add_request(prompt, p)
+                for i in range(p.n):  # samples 1.. fork sample 0's prompt blocks
+                    req = engine.add_request(
+                        prompt, p.for_sample(i), fork_of=group[0] if group else None
+                    )
+                    group.append(req.request_id)
+                    outputs[req.request_id] = RequestOutput(
+                        req.request_id,
+                        prompt if isinstance(prompt, str) else None,
+                        list(req.prompt_token_ids),
+                        [],
+                        "",
+                        None,
+                        [] if p.logprobs is not None else None,
+                    )
             except Exception:
-                for rid in order:  # all or nothing: a bad prompt leaves no work behind
+                for rid in outputs:  # all or nothing: a bad prompt leaves no work behind
                     engine.abort(rid)
                 engine.scheduler.schedule()  # drain the abort notices
                 raise
-            order.append(req.request_id)
-            outputs[req.request_id] = RequestOutput(
-                req.request_id,
-                prompt if isinstance(prompt, str) else None,
-                list(req.prompt_token_ids),
-                [],
-                "",
-                None,
-                [] if p.logprobs is not None else None,
-            )
         bar = None
-        if use_tqdm and len(prompts) >= 8:
+        if use_tqdm and len(outputs) >= 8:
             from tqdm import tqdm
 
-            bar = tqdm(total=len(prompts), desc="generate", unit="req")
+            bar = tqdm(total=len(outputs), desc="generate", unit="req")
         try:
             while engine.has_unfinished():
                 for d in engine.step():
@@ -183,4 +204,13 @@ class LLM:
         finally:
             if bar is not None:
                 bar.close()
-        return [outputs[rid] for rid in order]
+        results = []
+        for group in groups:
+            result = outputs[group[0]]
+            for i, rid in enumerate(group):
+                o = outputs[rid]
+                result.samples.append(
+                    Sample(i, rid, o.token_ids, o.text, o.finish_reason, o.logprobs)
+                )
+            results.append(result)
+        return results

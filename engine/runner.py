@@ -1,6 +1,7 @@
 """ModelRunner: executes one SchedulerOutput on the real model.
 
-swap copies -> flattened batch -> one forward -> logits of the rows that sample -> sampler.
+block copies, swap copies -> flattened batch -> one forward -> logits of the rows that sample
+-> sampler.
 """
 
 from __future__ import annotations
@@ -56,7 +57,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
-        # Swap-ins first: a swap-out of this step may reuse the CPU blocks they read.
+        # Block copies first: a swap-in may overwrite a freed copy source, a swap-out may read
+        # a copy target. Then swap-ins: a swap-out of this step may reuse the CPU blocks they
+        # read.
+        self.cache.copy_blocks(out.copy_blocks)
         self.cache.swap_in(out.swap_in)
         self.cache.swap_out(out.swap_out)
         if self.cache.is_cuda:

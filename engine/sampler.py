@@ -39,9 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fairbatch.engine.sampling_params import SamplingParams
-
-_MASK64 = (1 << 64) - 1
+from fairbatch.engine.sampling_params import SamplingParams, derive_seed
 
 
 @dataclass
@@ -51,22 +49,6 @@ class SamplerOutput:
     token_ids: list[int]  # the sampled token of each row
     # Per row: None unless the row asked for logprobs, else [(sampled, lp), (top1, lp), ...].
     logprobs: list[list[tuple[int, float]] | None]
-
-
-def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
-def derive_seed(seed: int, step: int) -> int:
-    """The generator seed for decoding step `step` (0-based output index) of a request.
-
-    A 63-bit mix of both ints (splitmix64), so nearby (seed, step) pairs get unrelated streams.
-    Any Python int is accepted; seeds are taken modulo 2**64 (so -1 and 2**64 - 1 agree).
-    """
-    return _splitmix64((_splitmix64(seed & _MASK64) + step) & _MASK64) >> 1
 
 
 def make_generator(

@@ -13,17 +13,47 @@ engine) can trust the values. Ranges:
   `prompt_logprobs` None or 0..20 (vLLM's name: a log-prob record for every prompt position).
 * `logit_bias`: {token id >= 0: bias}, each bias clamped to [-100, 100] as OpenAI does; the
   engine checks the ids against its vocabulary when the request is added.
-* `n == 1` only, for now.
+* `n` in [1, MAX_N]: samples of the prompt. The engine runs each as a request of its own
+  (`for_sample(i)`: n = 1 and sample i's seed, see `sample_seed`); the siblings share the
+  prompt's K/V blocks (`EngineCore.add_request(..., fork_of=...)`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for logit_bias values
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy; penalties this close to neutral are off
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
+MAX_N = 16  # samples of one prompt
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def derive_seed(seed: int, step: int) -> int:
+    """The generator seed for decoding step `step` (0-based output index) of a request.
+
+    A 63-bit mix of both ints (splitmix64), so nearby (seed, step) pairs get unrelated streams.
+    Any Python int is accepted; seeds are taken modulo 2**64 (so -1 and 2**64 - 1 agree).
+    """
+    return _splitmix64((_splitmix64(seed & _MASK64) + step) & _MASK64) >> 1
+
+
+def sample_seed(seed: int | None, index: int) -> int | None:
+    """The seed of sample `index` of a request seeded with `seed`: sample 0 keeps it (so n = 1
+    and sample 0 of n > 1 agree), sample i >= 1 gets `derive_seed(seed, -i)` (negative steps,
+    which no decoding step uses). None stays None: unseeded samples draw independently."""
+    if seed is None or index == 0:
+        return seed
+    return derive_seed(seed, -index)
 
 
 def _check_range(name: str, value: float, lo: float, hi: float, *, lo_open: bool = False) -> None:
@@ -42,7 +72,7 @@ class SamplingParams:
     so readers never see None or a bare string.
     """
 
-    n: int = 1  # number of completions per prompt; only 1 is supported
+    n: int = 1  # number of samples (completions) of the prompt, 1..MAX_N
     max_tokens: int = 16  # upper bound on generated tokens
     temperature: float = 1.0  # 0 (or < SAMPLING_EPS) = greedy
     top_p: float = 1.0  # nucleus: keep the smallest set of tokens with mass >= top_p
@@ -63,10 +93,8 @@ class SamplingParams:
     skip_special_tokens: bool = True  # drop special tokens from the output text
 
     def __post_init__(self) -> None:
-        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n != 1:
-            raise ValueError(
-                f"n must be 1 (only one completion per request is supported), got {self.n!r}"
-            )
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be an int in [1, {MAX_N}], got {self.n!r}")
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
             raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
         if self.max_tokens < 1:
@@ -123,6 +151,13 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise ValueError(f"stop_token_ids must contain ints >= 0, got {t!r}")
+
+    def for_sample(self, index: int) -> SamplingParams:
+        """The parameters of sample `index` (0 <= index < n) run as a request of its own:
+        these with n = 1 and the sample's seed (`sample_seed`)."""
+        if not 0 <= index < self.n:
+            raise ValueError(f"sample index must be in [0, {self.n}), got {index}")
+        return dataclasses.replace(self, n=1, seed=sample_seed(self.seed, index))
 
     @property
     def is_greedy(self) -> bool:

@@ -5,10 +5,12 @@ layer l's view `cache[l]` is `[2, num_blocks, block_size, num_kv_heads, head_dim
 paged layout flash-attn reads. One tensor for all layers means a swap of n blocks is one gather
 and one scatter over dim 2, not a loop of 2 * layers * n small copies.
 
-On CUDA the copies run on a dedicated stream with events: the compute stream waits for a swap-in
-before it reads the blocks, and for a swap-out's gather before it overwrites the freed blocks;
-the device-to-host half of a swap-out finishes in the background and is settled before anything
-reads the CPU blocks. On CPU the copies are plain index operations.
+Block copies inside the device cache (a forked sample's copy of its parent's partial block)
+run on the compute stream. On CUDA the swap copies run on a dedicated stream with events: the
+compute stream waits for a swap-in before it reads the blocks, and for a swap-out's gather
+before it overwrites the freed blocks; the device-to-host half of a swap-out finishes in the
+background and is settled before anything reads the CPU blocks. On CPU the copies are plain
+index operations.
 """
 
 from __future__ import annotations
@@ -85,6 +87,18 @@ class CacheEngine:
     def layer_caches(self) -> list[torch.Tensor]:
         """Per layer `[2, num_gpu_blocks, ...]` views (block inner order: see KVLayout)."""
         return list(self.gpu_cache.unbind(0))
+
+    # ---- copies within the device cache ------------------------------------------------------
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy (src, dst) device blocks, all layers, K and V, on the compute stream (so the
+        swaps issued after it, which wait for that stream, see it done). All sources are read
+        before any destination is written."""
+        if not pairs:
+            return
+        src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=self.device)
+        dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=self.device)
+        self.gpu_cache.index_copy_(2, dst, self.gpu_cache.index_select(2, src))
 
     # ---- swaps ------------------------------------------------------------------------------
 

@@ -2,8 +2,9 @@
 
 The scheduler only ever asks: which prefix is already computed (`get_computed_blocks`), can this
 request get slots for n more tokens (`allocate_slots` -> block ids | None, None meaning "preempt
-someone and retry"), and give everything back (`free`). Swap-space accounting (a second pool of
-CPU blocks) sits here too, so one object knows where every request's K/V lives.
+someone and retry"), and give everything back (`free`); `fork` starts a sibling sample of a
+prompt on its parent's blocks. Swap-space accounting (a second pool of CPU blocks) sits here
+too, so one object knows where every request's K/V lives.
 
 Pure Python: no torch. Requests are duck-typed: `.request_id`, `.all_token_ids`,
 `.num_computed_tokens`, `.cache_salt`.
@@ -100,6 +101,29 @@ class KVCacheManager:
             hits.append(block)
         return hits, len(hits) * bs
 
+    def num_cached_prefix_tokens(self, request) -> int:
+        """The token count `get_computed_blocks` would return now, changing nothing: no hash is
+        stored, no block touched (for a policy that orders waiting requests by cache hits).
+        Uses the hashes made at intake; blocks past them are hashed on the side, only as far as
+        the hits go. O(blocks hit + 1)."""
+        if not self.enable_prefix_caching or request.request_id in self.req_blocks:
+            return 0
+        rid = request.request_id
+        hashes = self.req_hashes.get(rid, [])
+        packed = self.req_packed.get(rid, [])
+        tokens, bs = request.all_token_ids, self.block_size
+        pool = self.gpu_pool
+        num_hit, stored = 0, True
+        for i in range((len(tokens) - 1) // bs):
+            if i == len(hashes):
+                if stored:  # extend copies, never the request's own chain
+                    hashes, packed, stored = list(hashes), list(packed), False
+                pool.extend_chain(tokens, hashes, packed, i + 1, request.cache_salt)
+            if pool.lookup_packed(hashes[i], packed[i]) is None:
+                break
+            num_hit += 1
+        return num_hit * bs
+
     def allocate_slots(
         self, request, num_new_tokens: int, new_computed_blocks: list[KVBlock] | None = None
     ) -> list[int] | None:
@@ -180,6 +204,29 @@ class KVCacheManager:
             req_blocks[rid].append(block)
             req_block_ids[rid].append(block.block_id)
         return new_blocks
+
+    def fork(self, parent, child, num_tokens: int) -> list[tuple[int, int]] | None:
+        """Give `child` (no blocks yet) the parent's K/V of positions < `num_tokens`: the full
+        blocks by reference (ref count + 1 each) and a partly filled last block as a copy in a
+        new block of its own (copy on write: both will write the rest of that block). Returns
+        the (src, dst) block copies to issue before the child's next forward, or None
+        (nothing changed) when no block is free for the copy."""
+        bs = self.block_size
+        num_full, partial = divmod(num_tokens, bs)
+        src = self.req_blocks[parent.request_id]
+        if partial and not self.gpu_pool.num_free_blocks:
+            return None
+        cid = child.request_id
+        blocks = self._new_table(cid)
+        shared = src[:num_full]
+        self.gpu_pool.touch(shared)  # all in use by the parent: none leaves the free list
+        self._append(cid, blocks, shared)
+        self.num_cached[cid] = min(self.num_cached[parent.request_id], num_full)
+        if not partial:
+            return []
+        (copy,) = self.gpu_pool.allocate(1)
+        self._append(cid, blocks, [copy])
+        return [(src[num_full].block_id, copy.block_id)]
 
     def _new_table(self, rid: str) -> list[KVBlock]:
         blocks = self.req_blocks[rid] = []

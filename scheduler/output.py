@@ -11,7 +11,10 @@ from fairbatch.scheduler.request import Request
 class SchedulerOutput:
     """Everything the runner needs to execute one step.
 
-    The runner issues `swap_in` copies, then `swap_out` copies, then the forward. For each
+    The runner issues `copy_blocks` (GPU block to GPU block: a forked sibling's copy of its
+    parent's partial block, see `KVCacheManager.fork`), then `swap_in` copies, then `swap_out`
+    copies, then the forward. Copies go first because a copy's source may have been freed and
+    be a swap-in's target in the same step, and a copy's target may be swapped out in it. For each
     scheduled request it computes `num_scheduled_tokens[id]` tokens starting at position
     `request.num_computed_tokens`, and samples one token iff the chunk reaches the end of the
     request's known tokens (num_computed_tokens + n == num_tokens).
@@ -24,6 +27,7 @@ class SchedulerOutput:
     # id -> block table of every request holding GPU blocks: the KV manager's live mapping,
     # valid until the next schedule(); read only
     block_tables: dict[str, list[int]] = field(default_factory=dict)
+    copy_blocks: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) GPU blocks
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, gpu) block copies
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu, cpu) block copies
     preempted_swap: list[str] = field(default_factory=list)  # ids swapped out this step
@@ -34,7 +38,7 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled and not self.swap_in and not self.swap_out
+        return not (self.scheduled or self.copy_blocks or self.swap_in or self.swap_out)
 
 
 @dataclass

@@ -64,6 +64,7 @@ class Request:
         "seq",
         "prompt_logprobs",
         "num_cached_tokens",
+        "fork_of",
     )
 
     def __init__(
@@ -116,6 +117,9 @@ class Request:
         self.prompt_logprobs: PromptLogprobs | None = None
         # Prompt tokens its first admission found in the prefix cache (None: not yet admitted).
         self.num_cached_tokens: int | None = None
+        # Scheduler-owned: the parent whose prefill this sibling sample waits for (see
+        # Scheduler.add_request's fork_of), None once it is released or for other requests
+        self.fork_of: str | None = None
         self.seq = 0  # admission sequence number, set by the scheduler (FIFO tie-break)
         # Scheduler-owned: running, and its next step is one token into a slot it already
         # holds (see Scheduler._attention for the requests that are not)

@@ -12,6 +12,14 @@ Each step walks three queues in a fixed order:
 Step 1 before 2 and 3 means a running request is never starved by admissions; stopping 2 and 3
 after a preemption keeps a step from freeing blocks and handing them straight back (thrash) and
 keeps a freed GPU block from being both a swap-out source and a swap-in target in one step.
+
+Parallel sampling (n > 1 samples of one prompt): each sample is a request of its own; a sibling
+added with `fork_of` (the first sample's id) is held, outside the queues, until that parent's
+prefill completes. Then it is forked (`_fork`): it shares the parent's full prompt blocks, gets
+a copy of the block holding position L - 1 (L = prompt length), and computes only that last
+prompt token itself, which yields its own first logits. Its prompt is charged once, to the
+parent. Without a seat or a free block then, or when the parent leaves before its prefill is
+done, the sibling is queued as an ordinary request (prefix-cache hits still share blocks).
 """
 
 from __future__ import annotations
@@ -32,6 +40,8 @@ class Scheduler:
         self.config = config
         self.kv = kv_manager
         self.policy = policy  # the waiting queue and tenant accounting (policies.Policy)
+        if getattr(policy, "wants_hit_length", False):  # dlpm, lpm: order by cache hits
+            policy.set_hit_length(self._hit_length)
         self.priority_preemption = (
             config.priority_preemption
             if config.priority_preemption is not None
@@ -69,12 +79,25 @@ class Scheduler:
         self.num_preemptions = {"swap": 0, "recompute": 0}
         self.num_swapped_blocks = {"out": 0, "in": 0}
         self.num_prefix_hit_tokens = 0  # prompt tokens served from the prefix cache
+        # sibling samples waiting for their parent's prefill: parent id -> siblings
+        self._held: dict[str, list[Request]] = {}
+        self._copies: list[tuple[int, int]] = []  # forks' block copies, for the next output
+        self.num_forks = 0  # siblings started on their parent's blocks
 
     # ---- intake -----------------------------------------------------------------------------
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, fork_of: str | None = None) -> None:
+        """Queue a new request. With `fork_of` (the id of another sample of the same prompt and
+        tenant) it is a sibling sample: it starts on that parent's prompt blocks once the
+        parent's prefill is done, or at once if it is. A parent no longer here makes it an
+        ordinary request (output is the same either way)."""
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
+        parent = None if fork_of is None else self.requests.get(fork_of)
+        if parent is not None and (
+            parent.prompt_token_ids != request.prompt_token_ids or parent.tenant != request.tenant
+        ):
+            raise ValueError(f"fork_of {fork_of!r} has another prompt or tenant")
         if request.num_tokens >= self.max_model_len:
             raise ValueError(
                 f"prompt has {request.num_tokens} tokens; the limit is {self.max_model_len - 1} "
@@ -89,7 +112,19 @@ class Scheduler:
         self._max_priority = max(self._max_priority, request.priority)
         self.kv.hash_prompt(request)
         self.requests[request.request_id] = request
-        self.policy.enqueue(request)
+        if parent is None:
+            self.policy.enqueue(request)
+        elif not parent.num_output_tokens:
+            request.fork_of = fork_of  # its prefill is to come: wait for it
+            self._held.setdefault(fork_of, []).append(request)
+        else:  # (a parent with output holds no siblings: they left at its first token)
+            self._held[fork_of] = [request]
+            can_fork = (
+                parent.status == RequestStatus.RUNNING
+                and parent.num_computed_tokens >= parent.num_prompt_tokens
+            )
+            for sibling in self._release_siblings(parent, can_fork):
+                self._start_running(sibling)
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request wherever it is; False if it is unknown or already finished."""
@@ -108,14 +143,69 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         if request.status == RequestStatus.RUNNING:
             self._stop_running(request)
-        elif request.status == RequestStatus.SWAPPED:
-            self.swapped.remove(request)
         else:
-            self.policy.remove(request)
+            self._dequeue(request)
+        if self._held:
+            self._release_siblings(request, can_fork=False)
         request.status = status
         self.kv.forget(request)
         del self.requests[request.request_id]
         self._finished_ids.add(request.request_id)
+
+    def _dequeue(self, request: Request) -> None:
+        """Take a request that is not running out of its queue (swapped, waiting or held)."""
+        if request.status == RequestStatus.SWAPPED:
+            self.swapped.remove(request)
+        elif request.fork_of is not None:
+            siblings = self._held[request.fork_of]
+            siblings.remove(request)
+            if not siblings:
+                del self._held[request.fork_of]
+            request.fork_of = None
+        else:
+            self.policy.remove(request)
+
+    # ---- parallel sampling: siblings forked from their parent's prompt blocks ---------------
+
+    def _release_siblings(self, parent: Request, can_fork: bool) -> list[Request]:
+        """Release the siblings held for `parent`: forked from its blocks if `can_fork` (its
+        prompt is computed) and room allows, else queued as ordinary requests. Each inherits
+        the prompt tokens charged to the parent, so the tenant pays for the prompt once.
+        Returns the forked ones, for the caller to start running."""
+        forked: list[Request] = []
+        for sibling in self._held.pop(parent.request_id, ()):
+            sibling.fork_of = None
+            sibling.num_prompt_charged = parent.num_prompt_charged
+            if can_fork and self._fork(parent, sibling, len(self.running) + len(forked)):
+                forked.append(sibling)
+            else:
+                self.policy.enqueue(sibling)
+        return forked
+
+    def _fork(self, parent: Request, sibling: Request, num_running: int) -> bool:
+        """Start `sibling` on its parent's prompt blocks (the parent's prompt is computed):
+        positions < L - 1 shared or copied, the last prompt token left for it to compute, so
+        that its step yields its own first logits. False (nothing changed) without a seat, a
+        free block for the copy, or the prompt log-probs it asks for."""
+        if num_running >= self.config.max_num_seqs:
+            return False
+        plp = sibling.prompt_logprobs
+        if plp is not None and plp.num_missing:
+            src = parent.prompt_logprobs
+            if src is None or src.num_missing or src.top != plp.top:
+                return False  # it computes its prompt itself
+        num_tokens = sibling.num_prompt_tokens - 1
+        copies = self.kv.fork(parent, sibling, num_tokens)
+        if copies is None:
+            return False
+        if plp is not None and plp.num_missing:
+            plp.entries = list(parent.prompt_logprobs.entries)
+            plp.num_missing = 0
+        self._copies.extend(copies)
+        sibling.num_computed_tokens = num_tokens
+        sibling.num_cached_tokens = parent.num_cached_tokens
+        self.num_forks += 1
+        return True
 
     @property
     def num_waiting(self) -> int:
@@ -130,6 +220,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(block_tables=self.kv.req_block_ids, new_block_ids=self._appended)
         self._appended = {}
+        if self._copies:
+            out.copy_blocks, self._copies = self._copies, []
         budget = self.config.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
         if not out.preempted_swap and not out.preempted_recompute:
@@ -304,6 +396,13 @@ class Scheduler:
             budget -= n
             request = None
 
+    def _hit_length(self, request: Request) -> int:
+        """Prompt tokens of a waiting request that admitting it now would take from the prefix
+        cache (what `_schedule_waiting` does), for policies that order by it. No side effects."""
+        if request.prompt_logprobs is not None and request.prompt_logprobs.num_missing:
+            return 0
+        return self.kv.num_cached_prefix_tokens(request)
+
     def _start_running(self, request: Request) -> None:
         rid = request.request_id
         request.status = RequestStatus.RUNNING
@@ -417,6 +516,8 @@ class Scheduler:
         if stops and not stops.keys().isdisjoint(new_tokens.values()):
             self._stop_candidates(sampled)
         filled: list[Request] = []  # plain decodes whose last block is full, in batch order
+        held = self._held
+        forked: list[Request] = []  # siblings started on their parent's blocks this step
         for request in scheduler_output.scheduled:
             if request.plain_decode:  # the common case, kept short: see _attention
                 token = sampled[request.request_id]  # a plain decode always samples
@@ -450,6 +551,8 @@ class Scheduler:
             if token is None:
                 attention[rid] = request  # a prefill chunk that did not reach the prompt's end
                 continue
+            if rid in held:  # its prompt is computed: fork its siblings before it may finish
+                forked.extend(self._release_siblings(request, can_fork=True))
             all_ids = request.all_token_ids
             all_ids.append(token)
             if token in request.stop_token_ids or len(all_ids) >= request.max_num_tokens:
@@ -463,6 +566,8 @@ class Scheduler:
         self._attention = attention
         if filled:
             self._next_blocks(filled)
+        for sibling in forked:
+            self._start_running(sibling)
         if prefill:
             self.policy.charge_step(prefill, {})
         return StepUpdates(new_tokens, finished)
@@ -561,7 +666,8 @@ class Scheduler:
                 f"no CPU swap space for {request_id!r}: it holds {num_blocks} blocks, "
                 f"{self.kv.cpu_pool.num_free_blocks if self.kv.num_cpu_blocks else 0} are free"
             )
-        out = SchedulerOutput()
+        out = SchedulerOutput(copy_blocks=self._copies)  # a fork's copies come first
+        self._copies = []
         self._preempt(request, out, None if mode == "auto" else mode)
         return out
 
@@ -580,9 +686,9 @@ class Scheduler:
         cpu_ids = None
         if request.status == RequestStatus.SWAPPED:
             cpu_ids = self.kv.export_swapped(request)
-            self.swapped.remove(request)
-        else:
-            self.policy.remove(request)
+        self._dequeue(request)
+        if self._held:
+            self._release_siblings(request, can_fork=False)
         self.kv.forget(request)
         del self.requests[request_id]
         return request, cpu_ids
@@ -620,8 +726,12 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()
-        n = len(self.running) + len(self.swapped) + len(self.policy)
+        num_held = sum(len(siblings) for siblings in self._held.values())
+        n = len(self.running) + len(self.swapped) + len(self.policy) + num_held
         assert n == len(self.requests), "a request is in no queue, or in two"
+        for parent_id, siblings in self._held.items():
+            assert parent_id in self.requests, f"siblings held for {parent_id!r}, which left"
+            assert all(s.fork_of == parent_id for s in siblings), "a held sibling lost its parent"
         assert len(self.running) <= self.config.max_num_seqs, "more running than seats"
         for r in self.running:
             assert r.status == RequestStatus.RUNNING
