@@ -67,6 +67,9 @@ class Policy:
     name: ClassVar[str] = ""
     # Whether charge() can change the answer of peek(); False spares a recompute per step.
     _order_uses_counters: bool = False
+    # Whether the policy orders by prefix-cache hits (dlpm, lpm): the scheduler then hands it
+    # `set_hit_length(fn)`, fn(request) = prompt tokens of the request cached now.
+    wants_hit_length: ClassVar[bool] = False
 
     def __init__(
         self,

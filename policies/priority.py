@@ -19,18 +19,18 @@ cached until the next time any class's effective priority steps up.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from .base import Policy, TenantSpec
 from .fcfs import FcfsOrder
-from .queues import Entry, HeadOrder, LazyHeap, Order
+from .queues import Entry, LazyHeap, Order
 from .weighted_fair import VtcOrder
 
 if TYPE_CHECKING:
     from fairbatch.scheduler.request import Request
 
-INNER_ORDERS: dict[str, type[HeadOrder]] = {"weighted_fair": VtcOrder, "fcfs": FcfsOrder}
+INNER_ORDERS: dict[str, type[Order]] = {"weighted_fair": VtcOrder, "fcfs": FcfsOrder}
 
 
 class ClassOrder(Order):
@@ -88,6 +88,8 @@ class PriorityPolicy(Policy):
     """
 
     name = "priority"
+    # The inner orders by name (a subclass may offer others: dlpm, lpm).
+    inner_orders: ClassVar[Mapping[str, type[Order]]] = INNER_ORDERS
 
     def __init__(
         self,
@@ -97,16 +99,16 @@ class PriorityPolicy(Policy):
         aging_s: float | None = None,
         **kw: Any,
     ) -> None:
-        if inner not in INNER_ORDERS:
-            raise ValueError(f"inner must be one of {sorted(INNER_ORDERS)}, got {inner!r}")
+        if inner not in self.inner_orders:
+            raise ValueError(f"inner must be one of {sorted(self.inner_orders)}, got {inner!r}")
         if aging_s is not None and not aging_s > 0:
             raise ValueError(f"aging_s must be > 0 or None, got {aging_s}")
         self.inner = inner
         self.aging_s = aging_s
-        self._inner_cls = INNER_ORDERS[inner]
+        self._inner_cls = self.inner_orders[inner]
         self._classes: dict[int, ClassOrder] = {}
         self._levels: list[int] = []  # the keys of _classes, highest first
-        self._order_uses_counters = inner == "weighted_fair"
+        self._order_uses_counters = self._inner_cls.changes_on_charge
         super().__init__(tenants, **kw)
 
     def effective_priority(self, req: Request) -> float:

@@ -14,7 +14,7 @@ registration order, and the policy calls them only through the methods of `Order
 from __future__ import annotations
 
 from heapq import heapify, heappop, heappush, heapreplace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
     from fairbatch.scheduler.request import Request
@@ -96,7 +96,11 @@ class Order:
       the head `select()` returns has the smallest rank_key among eligible queued entries.
     * `eligibility_changed(tenant)` / `counters_reset()` are called after the tenant entered or
       left the throttled set, and after counters were set from outside (they may decrease).
+    * `changes_on_charge`: whether a `charge()` can change what `select()` answers (a policy
+      made of such orders recomputes its peek after every charge).
     """
+
+    changes_on_charge: ClassVar[bool] = False
 
     def __init__(self, policy: Policy) -> None:
         self._policy = policy

@@ -6,13 +6,22 @@ from collections.abc import Iterable
 from typing import Any
 
 from .base import Policy, TenantSpec
+from .dlpm import DlpmPolicy, LpmPolicy
 from .fcfs import FcfsPolicy
 from .priority import PriorityPolicy
 from .round_robin import RoundRobinPolicy
 from .weighted_fair import WeightedFairPolicy
 
 POLICIES: dict[str, type[Policy]] = {
-    cls.name: cls for cls in (FcfsPolicy, RoundRobinPolicy, WeightedFairPolicy, PriorityPolicy)
+    cls.name: cls
+    for cls in (
+        FcfsPolicy,
+        RoundRobinPolicy,
+        WeightedFairPolicy,
+        PriorityPolicy,
+        LpmPolicy,
+        DlpmPolicy,
+    )
 }
 
 

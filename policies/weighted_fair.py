@@ -32,6 +32,8 @@ class VtcOrder(HeadOrder):
     """Tenant key (counter, *head.key): ties on the counter go to the head that fcfs would
     serve first (requeued before fresh, then lower .seq)."""
 
+    changes_on_charge = True
+
     def __init__(self, policy: Policy) -> None:
         super().__init__(policy)
         self._counters = self._policy._counters

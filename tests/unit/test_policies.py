@@ -452,7 +452,7 @@ def test_pick_victim_priority_then_counter_then_latest_seq() -> None:
 
 
 def test_make_policy_registry() -> None:
-    assert set(POLICIES) == {"fcfs", "round_robin", "weighted_fair", "priority"}
+    assert set(POLICIES) == {"fcfs", "round_robin", "weighted_fair", "priority", "lpm", "dlpm"}
     for name, cls in POLICIES.items():
         assert cls.name == name and isinstance(make_policy(name), cls)
     with pytest.raises(ValueError, match="unknown policy 'lottery'.*fcfs.*weighted_fair"):
