@@ -11,7 +11,7 @@ The policies see no KV blocks. The scheduler gives them `hit_length(request) -> 
 prompt tokens of the waiting request the prefix cache holds now (`set_hit_length`; the
 scheduler does this for every policy with `wants_hit_length`, backed by
 `KVCacheManager.num_cached_prefix_tokens`, which changes nothing). Without it every hit length
-is 0: lpm is then fcfs, dlpm deficit round robin by arrival.
+is 0: lpm is then fcfs inside each priority class, dlpm deficit round robin by arrival.
 
 Both keep strict priority classes on top, as `priority` does (they are `PriorityPolicy` with
 another inner order, aging included): the highest class with an eligible request goes first, and
@@ -37,8 +37,9 @@ d_t = w_t * (L - c_t), the weighted tokens it may still start in this round.
     and banks nothing while idle. `requeue` never lifts.
 rank = (-class priority, -.priority, rounds until the tenant has credit, then the lpm key).
 
-Fairness bound. Let f, g be tenants of one class that stay backlogged (queued requests, quota
-eligible) while no counters are set from outside. Then at every step
+Fairness bound. Let f, g be tenants with all their requests in one class that stay backlogged
+(queued requests, quota eligible) while no counters are set from outside. Then at every step
+once each of them has started a request (or from the start, when their counters start equal)
     |c_f - c_g| <= B = Q + S * (w_in * P + w_out * D) / min(w_f, w_g),
 w_in, w_out the input and output weights, P the longest prompt, D the most tokens a request
 generates, S the most requests one tenant can have started and not finished at once
