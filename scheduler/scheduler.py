@@ -167,16 +167,20 @@ class Scheduler:
 
     # ---- parallel sampling: siblings forked from their parent's prompt blocks ---------------
 
-    def _release_siblings(self, parent: Request, can_fork: bool) -> list[Request]:
+    def _release_siblings(
+        self, parent: Request, can_fork: bool, num_starting: int = 0
+    ) -> list[Request]:
         """Release the siblings held for `parent`: forked from its blocks if `can_fork` (its
         prompt is computed) and room allows, else queued as ordinary requests. Each inherits
         the prompt tokens charged to the parent, so the tenant pays for the prompt once.
-        Returns the forked ones, for the caller to start running."""
+        Returns the forked ones, for the caller to start running (`num_starting`: others
+        the caller will start too, which take seats)."""
         forked: list[Request] = []
         for sibling in self._held.pop(parent.request_id, ()):
             sibling.fork_of = None
             sibling.num_prompt_charged = parent.num_prompt_charged
-            if can_fork and self._fork(parent, sibling, len(self.running) + len(forked)):
+            num_running = len(self.running) + num_starting + len(forked)
+            if can_fork and self._fork(parent, sibling, num_running):
                 forked.append(sibling)
             else:
                 self.policy.enqueue(sibling)
@@ -505,12 +509,13 @@ class Scheduler:
         caching = self.kv.enable_prefix_caching
         running = RequestStatus.RUNNING
         # Running requests that were not scheduled keep their place in `_attention` (they are
-        # all behind the scheduled ones in `running`, so the dict stays in `running` order).
+        # behind the scheduled ones in `running`; the order is restored below if not).
         attention = {
             rid: r
             for rid, r in self._attention.items()
             if rid not in num_scheduled and r.status is running
         }
+        num_carried = len(attention)
         self.policy.charge_decode_step(self._missed(scheduler_output, sampled))
         stops = self._stop_tokens
         if stops and not stops.keys().isdisjoint(new_tokens.values()):
@@ -552,7 +557,7 @@ class Scheduler:
                 attention[rid] = request  # a prefill chunk that did not reach the prompt's end
                 continue
             if rid in held:  # its prompt is computed: fork its siblings before it may finish
-                forked.extend(self._release_siblings(request, can_fork=True))
+                forked.extend(self._release_siblings(request, True, len(forked)))
             all_ids = request.all_token_ids
             all_ids.append(token)
             if token in request.stop_token_ids or len(all_ids) >= request.max_num_tokens:
@@ -563,6 +568,10 @@ class Scheduler:
                     request.decode_event = self._next_decode_event(request)
                 else:  # its chunk filled its last block: the next one comes as for decodes
                     filled.append(request)
+        if num_carried and len(attention) > num_carried:
+            # An unscheduled request went in first, but a scheduled one that still needs a look
+            # is ahead of it in `running` (a sibling forked behind a prefill): restore the order.
+            attention = {r.request_id: r for r in self.running if r.request_id in attention}
         self._attention = attention
         if filled:
             self._next_blocks(filled)

@@ -6,6 +6,8 @@ runner's next token depends on the tokens only, so every sample of a prompt must
 exactly the reference tokens whatever happened to its blocks.
 """
 
+import random
+
 import pytest
 
 from fairbatch.kv.manager import KVCacheManager
@@ -225,3 +227,46 @@ def test_fork_of_must_name_the_same_prompt_and_tenant():
     sched.add_request(Request("d", [1, 2, 3], 2), fork_of="gone")  # unknown: ordinary request
     assert sched.num_waiting == 2
     sched.check_integrity()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_forks_aborts_and_preemptions_keep_the_accounting_exact(seed):
+    rng = random.Random(seed)
+    sched = make_sched(
+        num_blocks=24,
+        cpu_blocks=rng.choice([0, 12]),
+        max_num_seqs=rng.choice([2, 4, 8]),
+        max_num_batched_tokens=rng.choice([3, 8, 64]),
+    )
+    runner, got = FakeRunner(VOCAB), {}
+    prompts = [[rng.randrange(VOCAB) for _ in range(rng.randint(1, 13))] for _ in range(4)]
+    expected: dict[str, list[int]] = {}
+    aborted: set[str] = set()
+    for t in range(120):
+        op = rng.random()
+        if op < 0.15:
+            prompt, n, max_tokens = rng.choice(prompts), rng.randint(1, 4), rng.randint(1, 8)
+            add_samples(sched, f"g{t}", prompt, n, max_tokens)
+            for rid in [f"g{t}"] + [f"g{t}.{i}" for i in range(1, n)]:
+                expected[rid] = reference(prompt, max_tokens)
+        elif op < 0.2 and sched.requests:
+            rid = rng.choice(sorted(sched.requests))
+            sched.abort(rid)
+            aborted.add(rid)
+        elif op < 0.3 and sched.running:
+            mode = rng.choice(["swap", "recompute", "auto"])
+            rid = rng.choice(sched.running).request_id
+            try:
+                out = sched.preempt(rid, mode)
+            except ValueError:  # no CPU space for a swap
+                continue
+            runner.execute(out)
+        else:
+            step(sched, runner, got)
+        sched.check_integrity()
+    run_to_end(sched, runner, got)
+    for rid, tokens in expected.items():
+        if rid not in aborted:
+            assert got[rid] == tokens, rid
+        else:
+            assert got.get(rid, []) == tokens[: len(got.get(rid, []))]
