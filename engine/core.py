@@ -7,12 +7,14 @@ block ids when a request moves between replicas.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
 from fairbatch.engine.detokenizer import IncrementalDetokenizer
 from fairbatch.engine.sampling_params import SamplingParams
+from fairbatch.engine.structured import StructuredOutput
 from fairbatch.scheduler import Request, RequestStatus, Scheduler
 from fairbatch.scheduler.request import PromptLogprobs
 
@@ -60,6 +62,8 @@ class EngineCore:
         # requests whose first delta (prompt logprobs, cached tokens) is still to come
         self._first: dict[str, Request] = {}
         self._ids = itertools.count()
+        # constrained decoding (grammars, held requests, matchers): built on first use
+        self.structured: StructuredOutput | None = None
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -117,7 +121,11 @@ class EngineCore:
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = PromptLogprobs(len(prompt_ids), params.prompt_logprobs)
         # raises on duplicates / prompts over the limit
-        self.scheduler.add_request(request, fork_of=fork_of)
+        if params.structured_output is not None:  # waits here while its grammar compiles
+            admit = functools.partial(self.scheduler.add_request, request, fork_of=fork_of)
+            self._structured().submit(request, admit, after=fork_of)
+        else:
+            self.scheduler.add_request(request, fork_of=fork_of)
         self._attach_detokenizer(request)
         self._first[request.request_id] = request
         return request
@@ -140,10 +148,21 @@ class EngineCore:
     def abort(self, request_id: str) -> bool:
         self.detoks.pop(request_id, None)
         self._first.pop(request_id, None)
-        return self.scheduler.abort(request_id)
+        held = self.structured is not None and self.structured.take(request_id) is not None
+        return self.scheduler.abort(request_id) or held
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_unfinished or bool(self.structured and self.structured.held)
+
+    def _structured(self) -> StructuredOutput:
+        if self.structured is None:
+            if not hasattr(self.runner, "logits_mask"):
+                raise ValueError("structured output needs a runner that samples from logits")
+            self.structured = StructuredOutput(
+                self.tokenizer, self.vocab_size, self.eos_token_ids, self.scheduler
+            )
+            self.runner.logits_mask = self.structured.mask
+        return self.structured
 
     def stats(self) -> dict:
         """Cumulative counters and current occupancy (what a benchmark reads before and after)."""
@@ -169,10 +188,15 @@ class EngineCore:
     # ---- the step ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestDelta]:
+        failed = []  # requests whose grammar failed while they were held
+        if self.structured is not None:
+            failed = self.structured.admit_ready(idle=not self.scheduler.has_unfinished)
         out = self.scheduler.schedule()
         runner_out = self.runner.execute(out)
         updates = self.scheduler.update_from_output(out, runner_out)
         finished_map = updates.finished
+        if self.structured is not None:  # matchers take the new tokens; done grammars stop
+            finished_map = self.structured.advance(updates.new_tokens, finished_map)
         logprobs = runner_out.logprobs
         deltas = []
         for rid, token in updates.new_tokens.items():
@@ -180,6 +204,7 @@ class EngineCore:
         for rid, reason in finished_map.items():
             if rid not in updates.new_tokens:
                 deltas.append(self._delta(rid, [], reason, None))
+        deltas.extend(self._delta(rid, [], "error", None) for rid in failed)
         if self._first:
             for d in deltas:
                 request = self._first.pop(d.request_id, None)
@@ -222,7 +247,11 @@ class EngineCore:
 
     def export_request(self, request_id: str) -> MigratedRequest:
         """Take a waiting or swapped request out, with its K/V bytes if it was swapped."""
-        request, cpu_ids = self.scheduler.export_request(request_id)
+        held = self.structured.take(request_id) if self.structured is not None else None
+        if held is not None:  # still waiting for its grammar: nothing to take from the scheduler
+            request, cpu_ids = held, None
+        else:
+            request, cpu_ids = self.scheduler.export_request(request_id)
         self.detoks.pop(request_id, None)
         self._first.pop(request_id, None)
         blocks = None
@@ -234,13 +263,22 @@ class EngineCore:
 
     def import_request(self, migrated: MigratedRequest) -> None:
         request = migrated.request
-        num_blocks = 0 if migrated.kv_blocks is None else migrated.kv_blocks.shape[2]
-        cpu_ids = self.scheduler.import_request(request, num_blocks)
-        if cpu_ids is not None:
-            self.runner.cache.import_blocks(cpu_ids, migrated.kv_blocks)
+        params = request.sampling_params
+        if params is not None and params.structured_output is not None:
+            # its matcher is rebuilt from its output tokens (held while the grammar compiles)
+            admit = functools.partial(self._import_kv, migrated)
+            self._structured().submit(request, admit)
+        else:
+            self._import_kv(migrated)
         self._attach_detokenizer(request)
         if request.num_output_tokens == 0:  # moved before its first token
             self._first[request.request_id] = request
+
+    def _import_kv(self, migrated: MigratedRequest) -> None:
+        num_blocks = 0 if migrated.kv_blocks is None else migrated.kv_blocks.shape[2]
+        cpu_ids = self.scheduler.import_request(migrated.request, num_blocks)
+        if cpu_ids is not None:
+            self.runner.cache.import_blocks(cpu_ids, migrated.kv_blocks)
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

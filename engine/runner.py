@@ -52,6 +52,9 @@ class ModelRunner:
         self.block_size = cache_engine.layout.block_size
         self.device = cache_engine.device
         self.sampler = sampler or Sampler()
+        # (logits, requests) -> logits with each constrained row's disallowed tokens at -inf
+        # (engine/structured.py); set by the engine on its first constrained request
+        self.logits_mask = None
         self.forward_time = 0.0  # seconds spent in model forward + logits (for the benchmark)
         self.num_steps = 0
 
@@ -112,6 +115,8 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)  # honest timing of the forward
         self.forward_time += time.perf_counter() - t0
 
+        if self.logits_mask is not None:
+            logits = self.logits_mask(logits, sample_reqs)
         params = [r.sampling_params or _GREEDY for r in sample_reqs]
         result = self.sampler.sample(
             logits,

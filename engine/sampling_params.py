@@ -24,6 +24,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from fairbatch.engine.structured import GrammarSpec
+
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for logit_bias values
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy; penalties this close to neutral are off
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
@@ -91,6 +93,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # added to the logits before sampling
     include_stop_str_in_output: bool = False  # keep the matched stop string in the text
     skip_special_tokens: bool = True  # drop special tokens from the output text
+    # the output must match this grammar (a JSON schema; engine/structured.py)
+    structured_output: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
@@ -151,6 +155,10 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise ValueError(f"stop_token_ids must contain ints >= 0, got {t!r}")
+
+        so = self.structured_output
+        if so is not None and not isinstance(so, GrammarSpec):
+            raise ValueError(f"structured_output must be a GrammarSpec or None, got {so!r}")
 
     def for_sample(self, index: int) -> SamplingParams:
         """The parameters of sample `index` (0 <= index < n) run as a request of its own:
