@@ -28,6 +28,7 @@ from fairbatch.deployments.api import schemas as S
 from fairbatch.deployments.api.coalesce import coalesce
 from fairbatch.deployments.api.http import ClientGone, close_stream, sse, until_disconnect
 from fairbatch.deployments.api.schemas import ApiError
+from fairbatch.deployments.api.structured import ToolCallStream, ToolPlan
 from fairbatch.deployments.api.tenants import Admission
 
 log = logging.getLogger("fairbatch.api")
@@ -48,6 +49,7 @@ class ResponseRun:
         index: int = 0,
         echo: tuple[str, list[int]] | None = None,
         discard_output: bool = False,
+        tools: ToolPlan | None = None,
     ) -> None:
         self.api = api
         self.ticket = ticket
@@ -58,6 +60,8 @@ class ResponseRun:
         self.index = index
         self.echo = echo  # (prompt text, prompt ids) to put before the completion
         self.discard_output = discard_output  # max_tokens 0: the one engine token is dropped
+        # a forced tool call: the output becomes `tool_calls` (deployments/api/structured.py)
+        self.tool_call = ToolCallStream(tools) if tools is not None else None
         self.cached_tokens = 0
         self.text_len = 0
         self.created = ticket.created
@@ -149,10 +153,12 @@ class ResponseRun:
         out_text = "".join(text)
         lp = self.logprobs(records) if self.top_n is not None else None
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": out_text}}
+            choice = {"index": self.index, "message": {"role": "assistant", "content": out_text}}
         else:
             choice = {"index": self.index, "text": out_text}
         choice.update(logprobs=lp, finish_reason=S.finish_reason(reason))
+        if self.tool_call is not None:
+            choice["message"], choice["finish_reason"] = self.tool_call.message(out_text, reason)
         self.outcome = "ok"
         return choice
 
@@ -160,10 +166,12 @@ class ResponseRun:
         lp = self.logprobs(records) if self.top_n is not None and records else None
         if self.chat:
             delta = {"content": text} if text or reason is None else {}
-            c: dict[str, Any] = {"index": 0, "delta": delta}
+            c: dict[str, Any] = {"index": self.index, "delta": delta}
         else:
             c = {"index": self.index, "text": text}
         c.update(logprobs=lp, finish_reason=S.finish_reason(reason))
+        if self.tool_call is not None:
+            c["delta"], c["finish_reason"] = self.tool_call.delta(text, reason)
         self.text_len += len(text)
         return c
 
@@ -172,7 +180,7 @@ class ResponseRun:
         merged = None
         try:
             if self.chat:
-                yield {"index": 0, "delta": {"role": "assistant", "content": ""},
+                yield {"index": self.index, "delta": {"role": "assistant", "content": ""},
                        "logprobs": None, "finish_reason": None}  # fmt: skip
             interval_s = self.api.config.stream_interval_ms / 1000.0
             merged = coalesce(self.deltas(), interval_s)

@@ -15,9 +15,9 @@ import math
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from fairbatch.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from fairbatch.engine.sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams
 
 INT64_MIN, UINT64_END = -(2**63), 2**64
 
@@ -84,7 +84,7 @@ class _SamplingFields(_Body):
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     seed: int | None = Field(default=None, ge=INT64_MIN, lt=UINT64_END)
     stop: Any = None  # str | list[str] | None, checked in `stop_list`
-    n: int | None = None
+    n: int | None = Field(default=None, ge=1, le=MAX_N)  # samples per prompt (shared KV)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
@@ -110,13 +110,6 @@ class _SamplingFields(_Body):
                 )
             out[token] = min(100.0, max(-100.0, float(value)))
         return out
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, n: int | None) -> int | None:
-        if n is not None and n != 1:
-            raise ValueError(f"n must be 1: only one choice per request is supported, got {n}")
-        return n
 
     def stop_list(self, max_stops: int) -> list[str]:
         stop = self.stop
@@ -165,6 +158,7 @@ class _SamplingFields(_Body):
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
                 logit_bias=bias,
+                n=self.n or 1,
             )
         except ValueError as e:  # every range is checked above; this is a last line
             raise bad_request(str(e)) from None
@@ -178,6 +172,7 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    response_format: dict[str, Any] | None = None  # deployments/api/structured.py
 
     def check_unsupported(self) -> None:
         if self.suffix:
@@ -252,15 +247,13 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # checked in deployments/api/structured.py
     tools: list[Any] | None = None
+    tool_choice: Any = None  # "none" | "auto" | "required" | {"type": "function", ...}
+    parallel_tool_calls: bool | None = None  # accepted: a forced call is one call
     response_format: dict[str, Any] | None = None
 
     def check_unsupported(self) -> None:
-        if self.tools:
-            raise bad_request("tools are not supported", "tools")
-        fmt = self.response_format
-        if fmt is not None and fmt.get("type", "text") != "text":
-            raise bad_request("only the text response_format is supported", "response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
 

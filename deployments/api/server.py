@@ -46,6 +46,7 @@ from fairbatch.deployments.api.http import (
 from fairbatch.deployments.api.prometheus import ApiMetrics, add_metrics_route
 from fairbatch.deployments.api.responses import ResponseRun, complete_runs, stream_runs
 from fairbatch.deployments.api.schemas import ApiError, bad_request
+from fairbatch.deployments.api.structured import chat_plan, completion_grammar, with_grammar
 from fairbatch.deployments.api.tenants import (
     Admission,
     AuthError,
@@ -191,13 +192,68 @@ class _Api:
                 headers={"Retry-After": str(r.retry_after)},
             ) from None
 
+    async def launch(
+        self, request: Request, tenant: TenantState, prefix: str, jobs: list[tuple[list, Any]]
+    ) -> list[tuple[Admission, AsyncIterator[Any], Any, int, int]]:
+        """Admit and start every sample of every job (prompt ids, params with `n` samples), all
+        or nothing. Sample 0 of each job starts first; its siblings then fork from it
+        (`fork_of`: they share its prompt's KV blocks) and are not charged the prompt again.
+        Returns (ticket, stream, first delta, job, sample), job by job, sample by sample."""
+        plan = [(j, i) for j, (_, params) in enumerate(jobs) for i in range(params.n)]
+        tickets: dict[tuple[int, int], Admission] = {}
+        try:
+            for j, i in plan:
+                tickets[j, i] = self.admit(tenant, prefix, len(jobs[j][0]) if i == 0 else 0)
+        except ApiError:
+            for t in tickets.values():  # the admitted part is given back
+                self.registry.release(t)
+                self.registry.refund(t)
+            raise
+        started: dict[tuple[int, int], Any] = {}
+        for phase in ([k for k in plan if k[1] == 0], [k for k in plan if k[1] > 0]):
+            results = await asyncio.gather(
+                *(
+                    self.start(
+                        request,
+                        tickets[k],
+                        jobs[k[0]][0],
+                        jobs[k[0]][1].for_sample(k[1]),
+                        fork_of=tickets[k[0], 0].request_id if k[1] else None,
+                    )  # fmt: skip
+                    for k in phase
+                ),
+                return_exceptions=True,
+            )
+            started.update(zip(phase, results))
+            failed = next((e for e in results if isinstance(e, BaseException)), None)
+            if failed is not None:  # each failed start released its own ticket
+                for k in plan:
+                    got = started.get(k)
+                    if got is None:  # never started
+                        self.registry.release(tickets[k])
+                        self.registry.refund(tickets[k])
+                    elif not isinstance(got, BaseException):
+                        await close_stream(got[0])
+                        self.registry.release(tickets[k])
+                        self.finish_log(tickets[k], "error")
+                raise failed
+        return [(tickets[k], *started[k], *k) for k in plan]
+
     async def start(
-        self, request: Request, ticket: Admission, prompt_ids: list[int], params: Any
+        self,
+        request: Request,
+        ticket: Admission,
+        prompt_ids: list[int],
+        params: Any,
+        fork_of: str | None = None,
     ) -> tuple[AsyncIterator[Any], Any]:
         """Submit and wait for the first delta (watching for a disconnect meanwhile)."""
-        # Only a tenant in a prefix-cache group passes a salt: without one the backend salts
-        # with the tenant name, and backends that predate the kwarg keep working.
+        # Only a tenant in a prefix-cache group passes a salt, and only a sibling sample
+        # `fork_of`: backends that predate these kwargs keep working.
         salt = ticket.tenant.cache_salt
+        extra = {} if salt is None else {"cache_salt": salt}
+        if fork_of is not None:
+            extra["fork_of"] = fork_of
         self.metrics.started(ticket)
         it = self.backend.generate(
             prompt_ids,
@@ -205,7 +261,7 @@ class _Api:
             request_id=ticket.request_id,
             tenant=ticket.tenant.name,
             priority=ticket.tenant.priority,
-            **({} if salt is None else {"cache_salt": salt}),
+            **extra,
         )
         try:
             first = await until_disconnect(request, it.__anext__())
@@ -350,6 +406,7 @@ def create_app(
         vocab = api.tokenizer.vocab_size
         # echo with logprobs scores the prompt too; max_tokens 0 runs one token, then drops it
         prompt_top = body.logprobs if body.echo else None
+        grammar = await completion_grammar(body)  # response_format
         jobs = []  # (text or None, ids, params), validated before anything is admitted
         for prompt in body.prompts(api.limits.max_prompts_per_request):
             ids = api.check_ids(prompt) if isinstance(prompt, list) else await api.encode(prompt)
@@ -358,38 +415,18 @@ def create_app(
             params = body.sampling_params(
                 max_tokens, body.logprobs, stop, vocab=vocab, prompt_logprobs=prompt_top
             )
+            params = with_grammar(params, grammar)
             jobs.append((prompt if isinstance(prompt, str) else None, ids, params))
-        tickets: list[Admission] = []
-        try:
-            for _, ids, _ in jobs:
-                tickets.append(api.admit(tenant, "cmpl", len(ids)))
-        except ApiError:
-            for t in tickets:  # all or nothing: the admitted part is given back
-                api.registry.release(t)
-                api.registry.refund(t)
-            raise
-        started = await asyncio.gather(
-            *(api.start(request, t, ids, params) for t, (_, ids, params) in zip(tickets, jobs)),
-            return_exceptions=True,
-        )
-        failed = next((e for e in started if isinstance(e, BaseException)), None)
-        if failed is not None:  # each failed start released its own ticket
-            for got in started:
-                if not isinstance(got, BaseException):
-                    await close_stream(got[0])
-            for t, got in zip(tickets, started):
-                if not isinstance(got, BaseException):
-                    api.registry.release(t)
-                    api.finish_log(t, "error")
-            raise failed
+        started = await api.launch(request, tenant, "cmpl", [(ids, p) for _, ids, p in jobs])
         runs = []
-        for i, (ticket, (it, first), (text, ids, _)) in enumerate(zip(tickets, started, jobs)):
+        for ticket, it, first, job, sample in started:
+            text, ids, params = jobs[job]
             echo = None
             if body.echo:
                 echo = (text if text is not None else api.tokenizer.decode(ids), ids)
             runs.append(ResponseRun(
-                api, ticket, it, first, chat=False, top_n=body.logprobs, index=i, echo=echo,
-                discard_output=body.max_tokens == 0,
+                api, ticket, it, first, chat=False, top_n=body.logprobs,
+                index=job * params.n + sample, echo=echo, discard_output=body.max_tokens == 0,
             ))  # fmt: skip
         return await respond(request, runs, body)
 
@@ -426,10 +463,17 @@ def create_app(
         stop = body.stop_list(api.limits.max_stop_sequences)
         top_n = (body.top_logprobs or 0) if body.logprobs else None
         params = body.sampling_params(max_tokens, top_n, stop, vocab=api.tokenizer.vocab_size)
-        ticket = api.admit(tenant, "chatcmpl", len(ids))
-        it, first = await api.start(request, ticket, ids, params)
-        run = ResponseRun(api, ticket, it, first, chat=True, top_n=top_n)
-        return await respond(request, [run], body)
+        plan = await chat_plan(body)  # response_format, tools
+        params = with_grammar(params, plan.grammar)
+        runs = [
+            ResponseRun(
+                api, ticket, it, first, chat=True, top_n=top_n, tools=plan.tools, index=sample
+            )  # fmt: skip
+            for ticket, it, first, _, sample in await api.launch(
+                request, tenant, "chatcmpl", [(ids, params)]
+            )
+        ]
+        return await respond(request, runs, body)
 
     # -- the caller's own requests ---------------------------------------------------------
 
