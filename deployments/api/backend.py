@@ -21,6 +21,9 @@ Backend protocol (duck-typed; only `generate`, `abort`, `tokenizer`, `max_model_
       the same salt. The API passes it only for tenants in a `prefix_cache_group` (the group's
       salt); without it the backend must salt with `tenant`, so tenants never share blocks.
       A backend that never serves such tenants may leave the kwarg out.
+    - `fork_of` (optional kwarg, only for n > 1): the request is sample i >= 1 of the same
+      prompt as request `fork_of` (started first): it may share that request's prompt KV
+      blocks; a backend that cannot (or where the two land apart) runs it on its own.
 * `abort(request_id)` (async) -> bool: cancel a request; its stream then ends with an
   "abort" delta (or simply ends).
 * `tokenizer`: a `fairbatch.engine.tokenizer.Tokenizer` (encode, decode, apply_chat_template,
@@ -94,6 +97,7 @@ class LocalBackend:
         tenant: str,
         priority: int = 0,
         cache_salt: str | None = None,
+        fork_of: str | None = None,
     ) -> AsyncIterator[RequestDelta]:
         stream = self.engine.generate(
             list(prompt_token_ids),
@@ -102,6 +106,7 @@ class LocalBackend:
             tenant=tenant,
             priority=priority,
             cache_salt=cache_salt,  # None: the engine salts with the tenant
+            fork_of=fork_of,  # a sibling sample: shares that request's prompt blocks
         )
         finished = False
         try:

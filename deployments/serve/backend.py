@@ -58,6 +58,7 @@ class ClusterBackend:
         tenant: str,
         priority: int = 0,
         cache_salt: str | None = None,
+        fork_of: str | None = None,  # samples of one prompt run apart on the cluster (for now)
     ) -> AsyncIterator[RequestDelta]:
         timer = RequestTimer(tenant, time.monotonic)
         inner = self.client.generate(

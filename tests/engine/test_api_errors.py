@@ -111,7 +111,7 @@ BAD_BODIES = [
         400,
         "max_completion_tokens",
     ),
-    ("n-two", "completions", comp(n=2), 400, "n"),
+    ("n-over-16", "completions", comp(n=17), 400, "n"),
     ("n-zero", "chat/completions", chat(n=0), 400, "n"),
     ("logprobs-high", "completions", comp(logprobs=21), 400, "logprobs"),
     ("logprobs-negative", "completions", comp(logprobs=-1), 400, "logprobs"),

@@ -173,3 +173,54 @@ def test_cached_tokens_count_the_prefix_cache_hits_exactly(served, ref):
     r = httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"})
     events = [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: {")]
     assert events[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] == (n - 1) // BLOCK * BLOCK
+
+
+def engine_of(app):
+    return app.state.api.backend.engine.engine
+
+
+def test_n_samples_fork_the_prompt_once_and_seeded_samples_are_reproducible(served, ref):
+    from fairbatch.engine.sampling_params import sample_seed
+
+    c, _, app = served
+    prompt = "Parallel samples of one prompt share its blocks"
+    forks = engine_of(app).scheduler.num_forks
+    out = c.completions.create(model=MODEL, prompt=prompt, n=3, max_tokens=6, temperature=0)
+    assert [ch.index for ch in out.choices] == [0, 1, 2]
+    want = greedy(ref, prompt, 6).text
+    assert [ch.text for ch in out.choices] == [want] * 3  # greedy: all alike
+    assert out.usage.prompt_tokens == len(ref.tokenizer.encode(prompt))  # counted once
+    assert out.usage.completion_tokens == 18
+    assert engine_of(app).scheduler.num_forks == forks + 2  # siblings ran on sample 0's blocks
+    # seeded: sample i is the lone run with sample_seed(seed, i); again the same
+    kw = dict(model=MODEL, prompt=prompt, n=3, max_tokens=8, temperature=1.0, seed=11)
+    seeded = [ch.text for ch in c.completions.create(**kw).choices]
+    lone = [
+        ref.generate(
+            [prompt],
+            SamplingParams(temperature=1.0, max_tokens=8, seed=sample_seed(11, i)),
+            use_tqdm=False,
+        )[0].text  # fmt: skip
+        for i in range(3)
+    ]
+    assert seeded == lone and len(set(seeded)) > 1
+    assert [ch.text for ch in c.completions.create(**kw).choices] == seeded
+
+
+def test_n_with_a_prompt_list_and_chat_and_streams(served, ref):
+    c, _, _ = served
+    out = c.completions.create(model=MODEL, prompt=PROMPTS[:2], n=2, max_tokens=4, temperature=0)
+    # OpenAI's order: the n choices of prompt 0, then those of prompt 1
+    assert [ch.index for ch in out.choices] == [0, 1, 2, 3]
+    texts = [greedy(ref, p, 4).text for p in PROMPTS[:2]]
+    assert [ch.text for ch in out.choices] == [texts[0], texts[0], texts[1], texts[1]]
+    msgs = [{"role": "user", "content": "Hi there"}]
+    chat = c.chat.completions.create(model=MODEL, messages=msgs, n=2, max_tokens=5, seed=3)
+    assert [ch.index for ch in chat.choices] == [0, 1]
+    streamed = ["", ""]
+    for chunk in c.chat.completions.create(
+        model=MODEL, messages=msgs, n=2, max_tokens=5, seed=3, stream=True
+    ):
+        for ch in chunk.choices:
+            streamed[ch.index] += ch.delta.content or ""
+    assert streamed == [ch.message.content for ch in chat.choices]

@@ -24,7 +24,7 @@ NEG_INF = -float("inf")
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [
-        ({"n": 2}, "n"),
+        ({"n": 17}, "n"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"max_tokens": 1.5}, "max_tokens"),
         ({"temperature": -0.1}, "temperature"),
