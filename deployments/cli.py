@@ -29,6 +29,11 @@ def _bench_scheduler(args: argparse.Namespace) -> int:
 def _bench_engine(args: argparse.Namespace) -> int:
     from fairbatch.benchmarks import engine_bench
 
+    if args.structured:  # the grammar masks' step-time cost instead
+        from fairbatch.benchmarks import structured_bench
+
+        structured_bench.main(args.json, device=args.device)
+        return 0
     engine_bench.main(
         args.json,
         num_requests=args.num_requests,
@@ -272,6 +277,13 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument(
         "--skip-cb", action="store_true", help="skip transformers' continuous batching"
     )
+    eng.add_argument(
+        "--structured",
+        action="store_true",
+        help="instead: step time at batch 32 with half the requests JSON-schema constrained, "
+        "as a ratio to no constraints",
+    )
+    eng.add_argument("--device", default="cpu", help="for --structured: cpu or cuda")
     eng.set_defaults(func=_bench_engine)
     clu = bench_sub.add_parser(
         "cluster", help="fairness controller: admissions/s, latency, fairness vs baselines"
