@@ -119,6 +119,7 @@ class ClusterClient:
         priority: int = 0,
         request_id: str | None = None,
         cache_salt: str | None = None,
+        fork_of: str | None = None,
         on_assign: Callable[[Assignment], Any] | None = None,
     ) -> AsyncIterator[StreamItem]:
         """Stream the request's items. `on_assign` is called with each assignment the
@@ -132,6 +133,7 @@ class ClusterClient:
             priority=priority,
             cache_salt=cache_salt,
             prefix_hashes=self.prefix_hashes(list(prompt_ids), cache_salt or tenant),
+            fork_of=fork_of,
         )
         delivered: list[int] = []
         sent: set[str] = set()  # the FIRST_ONLY fields the caller has had

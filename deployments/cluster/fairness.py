@@ -185,7 +185,7 @@ class FairnessCore:
             t = policy.peek()
             if t is None:
                 break
-            r = placement.pick(t)
+            r = self._sibling_home(t) or placement.pick(t)
             if r is None:
                 if self.config.preemption:
                     self._preempt_for(t, actions)
@@ -193,6 +193,14 @@ class FairnessCore:
             self._pop()
             actions.append(self._assign(t, r))
         return actions
+
+    def _sibling_home(self, t: Ticket) -> ReplicaState | None:
+        """For a sibling sample: its parent's replica, if that has room (it forks there)."""
+        parent = self.tickets.get(t.meta.fork_of) if t.meta and t.meta.fork_of else None
+        if parent is None or parent.replica is None:
+            return None
+        r = self.placement.replicas.get(parent.replica)
+        return r if r is not None and r.alive and r.has_room() else None
 
     def _assign(self, t: Ticket, r: ReplicaState) -> Assign:
         t.replica = r.replica_id
@@ -207,7 +215,7 @@ class FairnessCore:
             # lets a burst of admissions between two reports (or one wave of equal requests)
             # swing the counters by a batch's worth; prepaying makes each slot's allocation see
             # the work already committed. (A resubmission was prepaid by its first attempt.)
-            self.policy.charge(t.tenant, t.meta.num_prompt_tokens, t.max_tokens)
+            self.policy.charge(t.tenant, t.meta.num_charged_prompt_tokens, t.max_tokens)
         return Assign(t, r.replica_id)
 
     def _preempt_for(self, t: Ticket, actions: list) -> None:
@@ -299,7 +307,8 @@ class FairnessCore:
     def _refund(self, t: Ticket, num_out: int, never_ran: bool = False) -> None:
         """Give back the prepaid output not generated (and the prompt, if it never ran)."""
         unused = max(0, t.max_tokens - num_out)
-        prompt = t.meta.num_prompt_tokens if never_ran and t.meta and not t.meta.attempt else 0
+        ran = never_ran and t.meta and not t.meta.attempt
+        prompt = t.meta.num_charged_prompt_tokens if ran else 0
         if unused or prompt:
             self.policy.charge(t.tenant, -prompt, -unused)
 

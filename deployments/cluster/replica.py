@@ -200,6 +200,7 @@ class Replica:
                     tenant=meta.tenant,
                     priority=meta.priority,
                     cache_salt=meta.cache_salt,
+                    fork_of=meta.fork_of,  # not here (or gone): it runs on its own
                 )
             meta_row = (meta.tenant, meta.priority, meta.params.max_tokens)
             batch.append((i, rid, meta_row, len(meta.output_ids), add))

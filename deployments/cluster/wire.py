@@ -26,10 +26,18 @@ class RequestMeta:
     output_ids: list[int] = field(default_factory=list)  # already delivered to the caller
     prefix_hashes: list[bytes] = field(default_factory=list)  # leading full blocks (affinity)
     attempt: int = 0  # resubmissions so far (a replica died under it)
+    # sample i >= 1 of the prompt of request `fork_of` (n > 1): sent to that request's replica
+    # when it has room, where it shares the prompt's KV blocks; its prompt is not charged
+    fork_of: str | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_ids)
+
+    @property
+    def num_charged_prompt_tokens(self) -> int:
+        """The prompt tokens its tenant pays for: a sibling sample's were paid by sample 0."""
+        return 0 if self.fork_of is not None else len(self.prompt_ids)
 
 
 @dataclass

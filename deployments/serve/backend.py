@@ -58,7 +58,7 @@ class ClusterBackend:
         tenant: str,
         priority: int = 0,
         cache_salt: str | None = None,
-        fork_of: str | None = None,  # samples of one prompt run apart on the cluster (for now)
+        fork_of: str | None = None,  # a sibling sample: to its parent's replica, if room
     ) -> AsyncIterator[RequestDelta]:
         timer = RequestTimer(tenant, time.monotonic)
         inner = self.client.generate(
@@ -68,6 +68,7 @@ class ClusterBackend:
             priority=priority,
             request_id=request_id,
             cache_salt=cache_salt,  # None: salted with the tenant (replicas and affinity)
+            fork_of=fork_of,
         )
         reason = "abort"
         try:

@@ -186,3 +186,26 @@ def test_cancel_queued_and_unseen_refunds_but_held_waits_for_the_report():
     core.report(rep(finished=[("held", 3)]))
     assert core.counters()["t"] == (10 + 2 * 3)
     assert core.stats()["assigned"] == {"r0": 0} and core.stats()["queued"] == 0
+
+
+def test_a_sibling_sample_goes_to_its_parents_replica_and_is_not_charged_the_prompt():
+    core = FairnessCore(ControllerConfig(local_queue=0))
+    reps = {r: Reporter(r, seats=2) for r in ("r0", "r1")}
+    for rep in reps.values():
+        core.report(rep())
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    assert assigned(core.submit(RequestMeta("p", [1] * 8, params, tenant="t"))) == [("p", "r0")]
+    assert core.counters()["t"] == 8 + 2 * 5  # prompt + prepaid output
+    # least loaded would be r1; the sibling follows its parent to r0 (it has a free seat)
+    sib = RequestMeta("p-1", [1] * 8, params, tenant="t", fork_of="p")
+    assert assigned(core.submit(sib)) == [("p-1", "r0")]
+    assert core.counters()["t"] == 8 + 2 * 5 + 2 * 5  # its prompt is not charged again
+    # no room there: it goes wherever there is some, still without the prompt
+    sib2 = RequestMeta("p-2", [1] * 8, params, tenant="t", fork_of="p")
+    assert assigned(core.submit(sib2)) == [("p-2", "r1")]
+    assert core.counters()["t"] == 8 + 3 * 2 * 5
+    # a sibling that never ran gets its prepaid output back, and no prompt refund
+    sib3 = RequestMeta("p-3", [1] * 8, params, tenant="t", fork_of="p")
+    core.submit(sib3)  # queued: every seat is taken
+    core.cancel("p-3")
+    assert core.counters()["t"] == 8 + 3 * 2 * 5

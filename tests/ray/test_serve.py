@@ -212,6 +212,11 @@ def test_prompt_lists_echo_and_cached_tokens_through_the_cluster(served):
     want = [o.text for o in ref.generate(prompts, greedy, use_tqdm=False)]
     assert [ch.index for ch in out.choices] == [0, 1, 2]
     assert [ch.text for ch in out.choices] == want
+    # n samples: the sibling follows sample 0 to its replica; greedy, so both alike
+    two = c.completions.create(model=MODEL, prompt=prompts[0], n=2, max_tokens=4,
+                               temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+    assert [ch.text for ch in two.choices] == [want[0]] * 2
+    assert two.usage.prompt_tokens == len(Tokenizer.tiny().encode(prompts[0]))  # once
     prompt = "score this prompt, token by token"
     scored = c.completions.create(
         model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=1
