@@ -98,18 +98,20 @@ def _functions(tools: list[Any]) -> dict[str, dict]:
     """{name: parameters schema} of the request's tools, checked."""
     out: dict[str, dict] = {}
     for i, tool in enumerate(tools):
-        param = f"tools.{i}"
+        param = "tools"  # (the message names the tool's index)
         fn = tool.get("function") if isinstance(tool, dict) else None
         if not (isinstance(tool, dict) and tool.get("type") == "function" and isinstance(fn, dict)):
-            raise bad_request("each tool must be {'type': 'function', 'function': {...}}", param)
+            raise bad_request(
+                f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}", param
+            )
         name = fn.get("name")
         if not (isinstance(name, str) and _NAME.match(name)):
-            raise bad_request("function.name must match ^[a-zA-Z0-9_-]{1,64}$", param)
+            raise bad_request(f"tools[{i}].function.name must match ^[a-zA-Z0-9_-]{{1,64}}$", param)
         if name in out:
             raise bad_request(f"two tools are named {name!r}", param)
         parameters = fn.get("parameters", _NO_PARAMETERS)
         if not isinstance(parameters, dict):
-            raise bad_request("function.parameters must be a JSON schema object", param)
+            raise bad_request(f"tools[{i}].function.parameters must be a JSON schema", param)
         out[name] = parameters
     return out
 
@@ -152,7 +154,7 @@ def tool_plan(tools: list[Any] | None, tool_choice: Any) -> tuple[GrammarSpec, T
     if name not in functions:
         raise bad_request(f"tool_choice names {name!r}, not one of the tools", "tool_choice")
     spec = GrammarSpec.from_schema(functions[name])
-    return _checked(spec, f"tools.{list(functions).index(name)}"), ToolPlan((name,), name)
+    return _checked(spec, "tools"), ToolPlan((name,), name)
 
 
 async def chat_plan(body: Any) -> ChatPlan:
