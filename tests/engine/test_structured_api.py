@@ -252,3 +252,35 @@ def test_langchain_structured_output_and_bound_tools(served, ref):
     (call,) = msg.tool_calls
     assert call["name"] == "GetWeather" and isinstance(call["args"]["city"], str)
     assert GetWeather(**call["args"])
+
+
+# ---- the output -> tool_calls conversion, piece by piece ------------------------------------
+
+
+@pytest.mark.parametrize("pieces", [1, 3, 1000])
+def test_tool_call_stream_splits_the_same_way_whatever_the_pieces(pieces):
+    from fairbatch.deployments.api.structured import ToolCallStream, ToolPlan
+
+    args = '{"city": "Paris", "days": 3}'
+    for plan, text in [
+        (ToolPlan(("get_weather",), "get_weather"), args),
+        (
+            ToolPlan(("get_weather", "get_time")),
+            '{"name": "get_weather", "arguments": ' + args + "}",
+        ),
+    ]:
+        stream = ToolCallStream(plan)
+        chunks = [text[i : i + pieces] for i in range(0, len(text), pieces)]
+        deltas = [stream.delta(c, None)[0] for c in chunks[:-1]]
+        last, finish = stream.delta(chunks[-1], "stop")
+        items = [it for d in [*deltas, last] for it in d.get("tool_calls", [])]
+        assert finish == "tool_calls" and items[0]["function"]["name"] == "get_weather"
+        assert "".join(it["function"]["arguments"] for it in items) == args
+        message, reason = ToolCallStream(plan).message(text, "stop")
+        assert reason == "tool_calls" and message["tool_calls"][0]["function"]["arguments"] == args
+
+    cut = ToolCallStream(ToolPlan(("a", "b")))  # cut before the call's head: plain content
+    assert cut.message('{"name": "a', "length") == (
+        {"role": "assistant", "content": '{"name": "a'},
+        "length",
+    )
