@@ -124,7 +124,7 @@ class LpmOrder(Order):
         return self._best(self._eligible())
 
     def rank_key(self, req: Request, flag: int) -> tuple:
-        return (flag, -self._policy.hit_length(req), req.seq)  # type: ignore[attr-defined]
+        return (flag, -self._policy.hit_length(req), self._policy.place(req))  # type: ignore[attr-defined]
 
     def _eligible(self) -> list[str]:
         """Tenants with queued requests here that are not over quota."""
@@ -232,6 +232,11 @@ class LpmPolicy(PriorityPolicy):
         if not callable(hit_length):
             raise TypeError(f"hit_length must be callable, got {hit_length!r}")
         self.hit_length = hit_length
+        self._stale = True
+
+    def hits_changed(self) -> None:
+        """The cache behind `hit_length` moved outside a step (a replica reported to the
+        controller): the next peek looks again."""
         self._stale = True
 
 

@@ -13,8 +13,11 @@ Routing modes:
     cluster-wide virtual counters; a request leaves it only when some replica has a free slot
     (running seats + a short local queue), preferring the replica that caches the longest
     prefix of its prompt, then the least loaded one.
-  * "round_robin", "power_of_two" (baselines): no global queue, every request is routed at once
-    and waits in its replica's local queue, ordered by that replica's own policy.
+  * "d2lpm": the same global queue; the replica is chosen for its prefix match within a
+    per-replica, per-tenant deficit and a load slack (placement.py). With policy dlpm (or lpm)
+    the queue's hit lengths are the longest prefix any replica caches.
+  * "round_robin", "power_of_two", "prefix_affinity" (baselines): no global queue, every request
+    is routed at once and waits in its replica's local queue, ordered by that replica's policy.
 
 Cost per admission: O(log R) for the replica choice (a heap of loads with lazy deletion), plus
 O(log n) queue work; prefix affinity looks at <= `AFFINITY_PROBES` holders per prompt block.
@@ -30,9 +33,15 @@ import random
 import time
 from collections.abc import Callable
 
-from fairbatch.deployments.cluster.placement import AFFINITY_PROBES, Placement, ReplicaState
+from fairbatch.deployments.cluster.placement import (
+    AFFINITY_PROBES,
+    Locality,
+    Placement,
+    ReplicaState,
+)
 from fairbatch.deployments.cluster.preemption import Preemption
 from fairbatch.deployments.cluster.tickets import (
+    QUEUED_ROUTINGS,
     ROUTINGS,
     Assign,
     ControllerConfig,
@@ -76,7 +85,19 @@ class FairnessCore:
             output_weight=config.output_weight,
             **kw,
         )
-        self.placement = Placement(config.routing, self.rng)
+        locality = Locality(
+            config.d2lpm_quantum,
+            config.d2lpm_min_match,
+            config.d2lpm_load_slack,
+            config.input_weight,
+            config.output_weight,
+            {spec.name: spec.weight for spec in config.tenants},
+        )
+        self.placement = Placement(config.routing, self.rng, locality)
+        self._reads_hits = getattr(self.policy, "wants_hit_length", False)
+        if self._reads_hits:  # dlpm / lpm over the cluster: hits = prefixes replicas cache
+            self.policy.set_hit_length(self.placement.cached_prefix_tokens)
+        self._queued_routing = config.routing in QUEUED_ROUTINGS
         self.replicas = self.placement.replicas  # replica id -> ReplicaState
         self.preemption = Preemption()
         self._seq = itertools.count(1)
@@ -90,7 +111,7 @@ class FairnessCore:
     # ---- replicas ---------------------------------------------------------------------------
 
     def add_replica(self, replica_id: str, max_num_seqs: int) -> ReplicaState:
-        slots = max_num_seqs + (self.config.local_queue if self.config.routing == "fair" else 0)
+        slots = max_num_seqs + (self.config.local_queue if self._queued_routing else 0)
         return self.placement.add(replica_id, slots)
 
     def remove_replica(self, replica_id: str) -> list[Ticket]:
@@ -100,6 +121,7 @@ class FairnessCore:
             return []
         orphans = list(r.assigned.values())
         for t in orphans:
+            self.placement.release_locality(t, r)
             self.preemption.unassigned(t)
             self._forget(t)
         return orphans
@@ -114,8 +136,8 @@ class FairnessCore:
         t = Ticket(meta, rid, meta.tenant, meta.priority)
         t.seq = next(self._seq)
         self.tickets[rid] = t
-        if self.config.routing != "fair":
-            r = self.placement.route_baseline()
+        if not self._queued_routing:
+            r = self.placement.route_baseline(t)
             if r is None:
                 self._enqueue(t)  # no replica yet: wait for one to report
                 return []
@@ -160,6 +182,7 @@ class FairnessCore:
         if t.replica is not None:
             r = self.replicas.get(t.replica)
             if r is not None and r.assigned.pop(t.request_id, None) is not None:
+                self.placement.release_locality(t, r)
                 self.preemption.unassigned(t)
                 self.placement.touch(r)
 
@@ -173,9 +196,13 @@ class FairnessCore:
         """Hand out free slots: displaced requests first, then the global queue in fair order."""
         actions: list = []
         placement = self.placement
-        if self.config.routing != "fair":
-            while len(self.policy) and (r := placement.route_baseline()) is not None:
-                actions.append(self._assign(self._pop(), r))
+        if not self._queued_routing:
+            while (t := self.policy.peek()) is not None:
+                r = placement.route_baseline(t)
+                if r is None:
+                    break
+                self._pop()
+                actions.append(self._assign(t, r))
             return actions
         if self.preemption.displaced and self.config.migrate_displaced:
             for t, src, dst in self.preemption.moves(placement):
@@ -207,6 +234,7 @@ class FairnessCore:
         t.assigned_at = self.clock()
         r.assigned[t.request_id] = t
         self.preemption.assigned(t)
+        self.placement.charge_locality(t, r)
         self.placement.touch(r)
         self.num_admitted += 1
         if t.meta is not None and t.meta.attempt == 0:
@@ -236,6 +264,7 @@ class FairnessCore:
         """Accounting moves at once; the caller carries the request over."""
         rid = t.request_id
         del src.assigned[rid]
+        self.placement.release_locality(t, src)
         self.placement.touch(src)
         t.replica = dst.replica_id
         dst.assigned[rid] = t
@@ -279,6 +308,7 @@ class FairnessCore:
             t = r.assigned.pop(rid, None)  # None when it moved away from this replica
             if t is not None:
                 preemption.unassigned(t)
+                self.placement.release_locality(t, r)
                 self.tickets.pop(rid, None)
                 preemption.displaced.pop(rid, None)
                 self._refund(t, num_out)
@@ -299,6 +329,8 @@ class FairnessCore:
                 changed = True
         if rep.prefix_hashes is not None:
             self.placement.set_hashes(r, rep.prefix_hashes)
+            if self._reads_hits:
+                self.policy.hits_changed()
         if changed:
             self.placement.touch(r)
         self._track_spread()

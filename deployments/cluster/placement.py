@@ -4,15 +4,29 @@
 prefers the replica caching the longest prefix of the prompt (at most `AFFINITY_PROBES`
 holders looked at per prompt block), then the least loaded one: loads live in a heap with lazy
 deletion (an entry whose version is stale is skipped), so a pick is O(log R), no scan. The
-baselines ("round_robin", "power_of_two") route over the replicas in registration order.
+baselines ("round_robin", "power_of_two") route over the replicas in registration order;
+"prefix_affinity" routes at once to the replica caching the longest prefix (else the least
+loaded), whatever its load: locality first, as cache-aware routers do.
+
+"d2lpm" (after the D2LPM of Cao et al., arXiv:2501.14312, with our own deficit): the global
+queue is served as in "fair", and the replica is chosen among those that cache at least
+`min_match` of the prompt's leading blocks, have room, a load <= the least load + `load_slack`,
+and where the tenant still has deficit: its requests placed there for locality and not yet
+ended may hold at most `quantum * weight` weighted tokens (input_weight x prompt + output_weight
+x max_tokens each). The longest match wins (then the lower load); with no such replica the
+least loaded one takes it. So locality can neither pile a replica up beyond `load_slack` over
+the others nor let one tenant fill a replica's seats by its hits; which tenant goes next is the
+global policy's order over the cluster-wide counters, whatever the routing.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import random
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 from fairbatch.deployments.cluster.tickets import Ticket
 
@@ -34,6 +48,7 @@ class ReplicaState:
         "last_seq",
         "version",
         "synced",
+        "locality",
     )
 
     def __init__(self, replica_id: str, index: int, slots: int) -> None:
@@ -50,6 +65,7 @@ class ReplicaState:
         self.last_seq = -1
         self.version = 0  # heap entries with another version are stale
         self.synced = False  # has this controller seen a report from it yet
+        self.locality: dict[str, float] = {}  # d2lpm: tenant -> in-flight locality work here
 
     @property
     def load(self) -> int:
@@ -59,10 +75,31 @@ class ReplicaState:
         return self.alive and len(self.assigned) < self.slots
 
 
+@dataclass
+class Locality:
+    """The d2lpm settings (see the module doc)."""
+
+    quantum: float = 8192.0
+    min_match: float = 0.5
+    load_slack: int = 2
+    input_weight: float = 1.0
+    output_weight: float = 2.0
+    weights: dict[str, float] = field(default_factory=dict)  # tenant -> weight (default 1)
+
+    def cost(self, t: Ticket) -> float:
+        meta = t.meta
+        prompt = 0 if meta is None else meta.num_charged_prompt_tokens
+        return self.input_weight * prompt + self.output_weight * t.max_tokens
+
+    def allowance(self, tenant: str) -> float:
+        return self.quantum * self.weights.get(tenant, 1.0)
+
+
 class Placement:
-    def __init__(self, routing: str, rng: random.Random) -> None:
+    def __init__(self, routing: str, rng: random.Random, locality: Locality | None = None) -> None:
         self.routing = routing
         self.rng = rng
+        self.locality = locality or Locality()
         self.replicas: dict[str, ReplicaState] = {}
         self._heap: list[tuple[int, int, int, ReplicaState]] = []  # (load, index, version, r)
         self._indices = itertools.count()
@@ -135,7 +172,9 @@ class Placement:
         return min(alive, key=lambda r: (r.load, r.index), default=None)
 
     def pick(self, t: Ticket) -> ReplicaState | None:
-        """A replica with room for `t` ("fair" routing), or None."""
+        """A replica with room for `t` ("fair" or "d2lpm" routing), or None."""
+        if self.routing == "d2lpm":
+            return self.pick_d2lpm(t)
         meta = t.meta
         if meta is not None and meta.prefix_hashes and self.hash_index:
             # Longest cached prefix first; a few holders per block keep this O(blocks).
@@ -153,11 +192,93 @@ class Placement:
         r = self.least_loaded()
         return r if r is not None and r.has_room() else None
 
-    def route_baseline(self) -> ReplicaState | None:
-        """The baselines: round robin, or the less loaded of two at random. No slot limit."""
+    def match_blocks(self, r: ReplicaState, hashes: list[bytes]) -> int:
+        """How many leading blocks of `hashes` r caches."""
+        n = 0
+        cached = r.hashes
+        while n < len(hashes) and hashes[n] in cached:
+            n += 1
+        return n
+
+    def cached_prefix_tokens(self, t: Ticket) -> int:
+        """Prompt tokens of `t` that some replica caches (the longest leading run of blocks
+        present anywhere): the hit length the controller's dlpm / lpm order reads."""
+        meta = t.meta
+        if meta is None:
+            return 0
+        index, n = self.hash_index, 0
+        for h in meta.prefix_hashes:
+            if h not in index:
+                break
+            n += 1
+        r = self.least_loaded()
+        return n * (16 if r is None else r.block_size)
+
+    def pick_d2lpm(self, t: Ticket) -> ReplicaState | None:
+        """d2lpm: the longest match among the replicas locality may use, else the least
+        loaded. Sets `t.locality` to the deficit it takes when the match decided."""
+        t.locality = 0.0
+        least = self.least_loaded()
+        if least is None or not least.has_room():
+            return None
+        hashes = t.meta.prefix_hashes if t.meta is not None else []
+        if not hashes:
+            return least
+        loc = self.locality
+        need = max(1, math.ceil(loc.min_match * len(hashes)))
+        if need > len(hashes):
+            return least
+        cost = loc.cost(t)
+        allowance = loc.allowance(t.tenant)
+        best, best_key = None, None
+        for rid in self.hash_index.get(hashes[need - 1], ()):
+            r = self.replicas.get(rid)
+            if r is None or not r.has_room() or r.load > least.load + loc.load_slack:
+                continue
+            if r.locality.get(t.tenant, 0.0) + cost > allowance:
+                continue  # no deficit left for this tenant here
+            n = self.match_blocks(r, hashes)
+            if n < need:
+                continue
+            key = (-n, r.load, r.index)
+            if best_key is None or key < best_key:
+                best, best_key = r, key
+        if best is None:
+            return least
+        t.locality = cost
+        return best
+
+    def charge_locality(self, t: Ticket, r: ReplicaState) -> None:
+        """`t` was placed on r for its match: its cost comes off its tenant's deficit there."""
+        if t.locality:
+            r.locality[t.tenant] = r.locality.get(t.tenant, 0.0) + t.locality
+
+    def release_locality(self, t: Ticket, r: ReplicaState | None) -> None:
+        """`t` ended on r or left it: its tenant's deficit there grows back."""
+        if t.locality and r is not None:
+            left = r.locality.get(t.tenant, 0.0) - t.locality
+            if left > 1e-9:
+                r.locality[t.tenant] = left
+            else:
+                r.locality.pop(t.tenant, None)
+        t.locality = 0.0
+
+    def route_baseline(self, t: Ticket | None = None) -> ReplicaState | None:
+        """The baselines: round robin, the less loaded of two at random, or the longest cached
+        prefix of `t` (then the least loaded). No slot limit."""
         alive = self._alive
         if not alive:
             return None
+        if self.routing == "prefix_affinity":
+            hashes = t.meta.prefix_hashes if t is not None and t.meta is not None else []
+            best, best_key = None, None
+            for rid in self.hash_index.get(hashes[0], ()) if hashes else ():
+                r = self.replicas.get(rid)
+                if r is not None and r.alive:
+                    key = (-self.match_blocks(r, hashes), r.load, r.index)
+                    if best_key is None or key < best_key:
+                        best, best_key = r, key
+            return best or self.least_loaded()
         if self.routing == "round_robin":
             self._rr += 1
             return alive[self._rr % len(alive)]

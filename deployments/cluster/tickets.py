@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from fairbatch.deployments.cluster.wire import RequestMeta
 from fairbatch.policies import TenantSpec
 
-ROUTINGS = ("fair", "round_robin", "power_of_two")
+ROUTINGS = ("fair", "d2lpm", "round_robin", "power_of_two", "prefix_affinity")
+QUEUED_ROUTINGS = ("fair", "d2lpm")  # one global queue; the others route at once
 
 
 @dataclass
@@ -27,12 +28,25 @@ class ControllerConfig:
     input_weight: float = 1.0
     output_weight: float = 2.0
     stale_assignment_s: float = 30.0  # assigned but never seen by its replica: dropped after
+    # "d2lpm" routing (placement.py): a tenant's in-flight locality work per replica is at most
+    # d2lpm_quantum x its weight (weighted tokens); a match counts from d2lpm_min_match of the
+    # prompt's blocks; a replica is a locality choice while its load <= least load + slack.
+    d2lpm_quantum: float = 8192.0
+    d2lpm_min_match: float = 0.5
+    d2lpm_load_slack: int = 2
 
     def __post_init__(self) -> None:
         if self.routing not in ROUTINGS:
             raise ValueError(f"routing must be one of {ROUTINGS}, got {self.routing!r}")
         if self.local_queue < 0:
             raise ValueError(f"local_queue must be >= 0, got {self.local_queue}")
+        if not self.d2lpm_quantum > 0 or not 0 < self.d2lpm_min_match <= 1:
+            raise ValueError(
+                "d2lpm_quantum must be > 0 and d2lpm_min_match in (0, 1], got "
+                f"{self.d2lpm_quantum!r}, {self.d2lpm_min_match!r}"
+            )
+        if self.d2lpm_load_slack < 0:
+            raise ValueError(f"d2lpm_load_slack must be >= 0, got {self.d2lpm_load_slack}")
 
 
 class Ticket:
@@ -51,6 +65,7 @@ class Ticket:
         "running",
         "preempted",
         "max_tokens",
+        "locality",
     )
 
     def __init__(self, meta: RequestMeta | None, request_id: str, tenant: str, priority: int):
@@ -66,6 +81,7 @@ class Ticket:
         self.running = False  # holding GPU blocks, as of the last report
         self.preempted = False  # displaced by coordinated preemption, not yet running again
         self.max_tokens = 0 if meta is None else meta.params.max_tokens  # decode tokens prepaid
+        self.locality = 0.0  # d2lpm: weighted tokens charged to its replica's tenant deficit
 
 
 @dataclass
