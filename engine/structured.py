@@ -69,8 +69,12 @@ class GrammarSpec:
 
 
 def _xgr():
-    import xgrammar  # imported on first use: it takes a second or more (transformers)
-
+    try:
+        import xgrammar  # imported on first use: it takes a second or more (transformers)
+    except ImportError:
+        raise ImportError(
+            "structured output needs xgrammar: pip install 'fairbatch[structured]'"
+        ) from None
     return xgrammar
 
 
