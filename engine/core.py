@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
+import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,6 +67,8 @@ class EngineCore:
         self._ids = itertools.count()
         # constrained decoding (grammars, held requests, matchers): built on first use
         self.structured: StructuredOutput | None = None
+        # requests evicted past a deadline, per (tenant, stage "queue" | "running")
+        self.timed_out: Counter[tuple[str, str]] = Counter()
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -78,10 +83,12 @@ class EngineCore:
         arrival_time: float | None = None,
         cache_salt: str | None = None,
         fork_of: str | None = None,
+        deadlines: tuple[float | None, float | None] | None = None,
     ) -> Request:
         """Add one request: one sample of the prompt. For n > 1 samples add n requests, sample
         i with `params.for_sample(i)` and, for i >= 1, `fork_of` = sample 0's id: the siblings
-        then share sample 0's prompt blocks (one prefill; see Scheduler.add_request)."""
+        then share sample 0's prompt blocks (one prefill; see Scheduler.add_request).
+        `deadlines`: (total, queue) as absolute wall-clock times, see `_deadlines`."""
         params = params or SamplingParams()
         if params.n != 1:
             raise ValueError(
@@ -118,6 +125,7 @@ class EngineCore:
             cache_salt=cache_salt,
             sampling_params=params,
         )
+        request.deadline, request.queue_deadline = self._deadlines(params, deadlines)
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = PromptLogprobs(len(prompt_ids), params.prompt_logprobs)
         # raises on duplicates / prompts over the limit
@@ -129,6 +137,33 @@ class EngineCore:
         self._attach_detokenizer(request)
         self._first[request.request_id] = request
         return request
+
+    def _deadlines(
+        self, params: SamplingParams | None, wall: tuple[float | None, float | None] | None
+    ) -> tuple[float, float]:
+        """A request's (total, queue) deadlines in the scheduler's clock (inf: none).
+
+        Processes agree on wall-clock time, not on monotonic clocks: a deadline that crosses
+        one (set by the cluster's ingress, kept by a resubmission or a move) is an absolute
+        `time.time()` value, turned into the scheduler's clock here. Without one, the
+        params' relative seconds (`timeout`, `max_queue_time_s`) count from now."""
+        now = self.scheduler.clock()
+        if wall is None:
+            rel = (params.timeout, params.max_queue_time_s) if params else (None, None)
+        else:
+            wall_now = time.time()
+            rel = tuple(None if w is None else w - wall_now for w in wall)
+        total, queue = (math.inf if r is None else now + r for r in rel)
+        return total, queue
+
+    def wall_deadlines(self, request: Request) -> tuple[float | None, float | None]:
+        """`_deadlines`' inverse: the request's deadlines as wall-clock times (None: none)."""
+        offset = time.time() - self.scheduler.clock()
+        total, queue = (
+            None if d == math.inf else d + offset
+            for d in (request.deadline, request.queue_deadline)
+        )
+        return total, queue
 
     def _attach_detokenizer(self, request: Request) -> None:
         if self.tokenizer is None:
@@ -204,6 +239,9 @@ class EngineCore:
         for rid, reason in finished_map.items():
             if rid not in updates.new_tokens:
                 deltas.append(self._delta(rid, [], reason, None))
+        for rid, key in out.timed_out.items():  # evicted past a deadline, before the step
+            self.timed_out[key] += 1
+            deltas.append(self._delta(rid, [], "timeout", None))
         deltas.extend(self._delta(rid, [], "error", None) for rid in failed)
         if self._first:
             for d in deltas:
@@ -259,10 +297,13 @@ class EngineCore:
             blocks = self.runner.cache.export_blocks(cpu_ids)  # read before the next step
         if blocks is None:
             request.num_computed_tokens = 0  # no K/V travels with it: resume by recompute
-        return MigratedRequest(request, blocks)
+        return MigratedRequest(request, blocks, {"deadlines": self.wall_deadlines(request)})
 
     def import_request(self, migrated: MigratedRequest) -> None:
         request = migrated.request
+        wall = migrated.extra.get("deadlines")
+        if wall is not None:  # the deadlines it had where it came from, in this clock
+            request.deadline, request.queue_deadline = self._deadlines(None, wall)
         params = request.sampling_params
         if params is not None and params.structured_output is not None:
             # its matcher is rebuilt from its output tokens (held while the grammar compiles)

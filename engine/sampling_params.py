@@ -16,6 +16,9 @@ engine) can trust the values. Ranges:
 * `n` in [1, MAX_N]: samples of the prompt. The engine runs each as a request of its own
   (`for_sample(i)`: n = 1 and sample i's seed, see `sample_seed`); the siblings share the
   prompt's K/V blocks (`EngineCore.add_request(..., fork_of=...)`).
+* `timeout`, `max_queue_time_s`: None or seconds in (0, MAX_DEADLINE_S], counted from the
+  request's arrival: the request ends with finish reason "timeout" at `timeout`, or at
+  `max_queue_time_s` if it was not scheduled by then (the scheduler evicts it).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for logit_bias values
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy; penalties this close to neutral are off
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
 MAX_N = 16  # samples of one prompt
+MAX_DEADLINE_S = 86_400.0  # the longest timeout / max_queue_time_s (a day)
 _MASK64 = (1 << 64) - 1
 
 
@@ -95,6 +99,8 @@ class SamplingParams:
     skip_special_tokens: bool = True  # drop special tokens from the output text
     # the output must match this grammar (a JSON schema; engine/structured.py)
     structured_output: GrammarSpec | None = None
+    timeout: float | None = None  # seconds from arrival to the end, then "timeout"
+    max_queue_time_s: float | None = None  # seconds from arrival to the first scheduled token
 
     def __post_init__(self) -> None:
         if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
@@ -155,6 +161,13 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise ValueError(f"stop_token_ids must contain ints >= 0, got {t!r}")
+
+        for name in ("timeout", "max_queue_time_s"):
+            value = getattr(self, name)
+            if value is not None:
+                if isinstance(value, bool) or not isinstance(value, (int, float)):
+                    raise ValueError(f"{name} must be a number of seconds or None, got {value!r}")
+                _check_range(name, float(value), 0.0, MAX_DEADLINE_S, lo_open=True)
 
         so = self.structured_output
         if so is not None and not isinstance(so, GrammarSpec):

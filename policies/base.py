@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from fairbatch.scheduler.request import Request
 
 _NEVER = math.inf
+ORDERS_WITHIN_TENANT = ("fcfs", "edf")
 
 
 @dataclass(frozen=True)
@@ -34,8 +35,13 @@ class TenantSpec:
     weight: float = 1.0  # > 0, share in weighted_fair
     priority: int = 0  # informational default class (requests carry their own .priority)
     tokens_per_minute: float | None = None  # token-bucket quota; None = unlimited
+    # fraction of each replica's GPU blocks kept for this tenant (kv/block_pool.py); None: none
+    kv_share: float | None = None
 
     def __post_init__(self) -> None:
+        share = self.kv_share
+        if share is not None and not (isinstance(share, (int, float)) and 0 < share <= 1):
+            raise ValueError(f"tenant {self.name!r}: kv_share must be in (0, 1], got {share!r}")
         if not self.weight > 0:
             raise ValueError(f"tenant {self.name!r}: weight must be > 0, got {self.weight}")
         if self.tokens_per_minute is not None and not self.tokens_per_minute > 0:
@@ -52,7 +58,10 @@ class Policy:
       * A request is identified by `.request_id`; queueing one that is already queued raises
         ValueError. `.tenant`, `.priority` and `.seq` are read once, when it is queued.
       * Inside a tenant, requeued requests come first (by `.seq`), then fresh ones (by `.seq`,
-        which the scheduler assigns in admission order, so this is arrival order).
+        which the scheduler assigns in admission order, so this is arrival order). With
+        `order_within_tenant="edf"`, each of the two goes by earliest deadline (`place`), then
+        `.seq`: which of a tenant's requests goes first changes, never how much service the
+        tenant gets (tenants are still chosen by the policy's own order).
       * `peek`/`pop` consider only quota-eligible tenants; other requests stay queued.
       * `enqueue`, `requeue`, `pop`, `remove` are O(log n); `peek` is answered from a cache
         that every mutation invalidates, and is O(log tenants) amortized to recompute (round
@@ -78,10 +87,17 @@ class Policy:
         input_weight: float = 1.0,
         output_weight: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
+        order_within_tenant: str = "fcfs",
         **kw: object,
     ) -> None:
         if kw:
             raise TypeError(f"policy {self.name!r} got unexpected keyword arguments: {sorted(kw)}")
+        if order_within_tenant not in ORDERS_WITHIN_TENANT:
+            raise ValueError(
+                f"order_within_tenant must be one of {ORDERS_WITHIN_TENANT}, "
+                f"got {order_within_tenant!r}"
+            )
+        self.order_within_tenant = order_within_tenant
         if input_weight < 0 or output_weight < 0:
             raise ValueError("input_weight and output_weight must be >= 0")
         self.input_weight = float(input_weight)
@@ -189,6 +205,10 @@ class Policy:
             spec = TenantSpec(name)
             self.add_tenant(spec)
         return spec
+
+    def kv_shares(self) -> dict[str, float]:
+        """Tenant -> its `kv_share`, for the tenants configured with one."""
+        return {name: s.kv_share for name, s in self._specs.items() if s.kv_share is not None}
 
     # ---- waiting queue -------------------------------------------------------------------
 
@@ -437,12 +457,21 @@ class Policy:
         if self._throttled:
             self._wake_throttled()  # the VTC lift must see who is eligible now
         self._inserted += 1
-        entry = Entry(req, (flag, req.seq, self._inserted))
+        entry = Entry(req, (flag, self.place(req), self._inserted))
         order = self._order_for(req)
         entry.order = order
         order.add(entry)
         self._entries[rid] = entry
         self._stale = True
+
+    def place(self, req: Request) -> int | tuple[float, int]:
+        """Where `req` goes among its tenant's requests of its kind (requeued or fresh): its
+        .seq, or under edf (its earliest deadline, .seq). Read when it is queued; requests
+        without a deadline (inf) go after those with one."""
+        if self.order_within_tenant == "fcfs":
+            return req.seq
+        deadline = min(getattr(req, "deadline", _NEVER), getattr(req, "queue_deadline", _NEVER))
+        return (deadline, req.seq)
 
     def _flag(self, req: Request) -> int:
         """REQUEUED or FRESH for a queued request; REQUEUED for one that is not queued."""

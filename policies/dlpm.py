@@ -124,7 +124,8 @@ class LpmOrder(Order):
         return self._best(self._eligible())
 
     def rank_key(self, req: Request, flag: int) -> tuple:
-        return (flag, -self._policy.hit_length(req), self._policy.place(req))  # type: ignore[attr-defined]
+        hit = self._policy.hit_length(req)  # type: ignore[attr-defined]
+        return (flag, -hit, self._policy.place(req))
 
     def _eligible(self) -> list[str]:
         """Tenants with queued requests here that are not over quota."""

@@ -19,7 +19,7 @@ class FcfsOrder(HeadOrder):
         return tq.head.key
 
     def rank_key(self, req: Request, flag: int) -> tuple:
-        return (flag, req.seq)
+        return (flag, self._policy.place(req))
 
 
 class FcfsPolicy(SingleOrderPolicy):

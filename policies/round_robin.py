@@ -65,7 +65,11 @@ class RoundRobinOrder(Order):
         # The tenant's distance from the cycle position, then its place inside the tenant.
         # Rounds are ignored: exact for the head of each tenant, which is what rank is for.
         cycle = len(self._policy._ring)
-        return ((self._policy._ring[req.tenant] - self._next) % cycle, flag, req.seq)
+        return (
+            (self._policy._ring[req.tenant] - self._next) % cycle,
+            flag,
+            self._policy.place(req),
+        )
 
 
 class RoundRobinPolicy(SingleOrderPolicy):

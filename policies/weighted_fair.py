@@ -45,7 +45,7 @@ class VtcOrder(HeadOrder):
         return (self._counter(tq.name),) + tq.head.key
 
     def rank_key(self, req: Request, flag: int) -> tuple:
-        return (self._counter(req.tenant), flag, req.seq)
+        return (self._counter(req.tenant), flag, self._policy.place(req))
 
     def backlogging(self, tq: TenantQueue, entry: Entry) -> None:
         if entry.key[0] != FRESH:

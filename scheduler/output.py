@@ -33,6 +33,9 @@ class SchedulerOutput:
     preempted_swap: list[str] = field(default_factory=list)  # ids swapped out this step
     preempted_recompute: list[str] = field(default_factory=list)  # ids dropped for recompute
     finished_ids: set[str] = field(default_factory=set)  # ids finished/aborted since last step
+    # ids this step evicted past their deadline (finish reason "timeout") -> (tenant, stage):
+    # stage "queue" (before its first token) or "running"; also in finished_ids
+    timed_out: dict[str, tuple[str, str]] = field(default_factory=dict)
     # every running request is scheduled (the scheduler's bookkeeping for tenant charges)
     all_running_scheduled: bool = False
 

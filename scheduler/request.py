@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import math
 import time
 from collections.abc import Iterable, Iterator, Sequence
 
@@ -23,6 +24,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH = 4  # reached max_tokens or the context limit
     FINISHED_ABORTED = 5  # cancelled by the caller or the controller
     FINISHED_ERROR = 6  # could never run (e.g. longer than the whole KV pool)
+    FINISHED_TIMEOUT = 7  # past its deadline (Scheduler: deadlines)
 
     @property
     def finished(self) -> bool:
@@ -34,6 +36,7 @@ FINISH_REASONS = {
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
     RequestStatus.FINISHED_ERROR: "error",
+    RequestStatus.FINISHED_TIMEOUT: "timeout",
 }
 
 
@@ -65,6 +68,8 @@ class Request:
         "prompt_logprobs",
         "num_cached_tokens",
         "fork_of",
+        "deadline",
+        "queue_deadline",
     )
 
     def __init__(
@@ -79,6 +84,8 @@ class Request:
         arrival_time: float | None = None,
         cache_salt: str | None = None,
         sampling_params: object = None,
+        deadline: float = math.inf,
+        queue_deadline: float = math.inf,
     ) -> None:
         prompt = list(prompt_token_ids)
         if not prompt:
@@ -120,6 +127,10 @@ class Request:
         # Scheduler-owned: the parent whose prefill this sibling sample waits for (see
         # Scheduler.add_request's fork_of), None once it is released or for other requests
         self.fork_of: str | None = None
+        # Absolute times in the scheduler's clock (inf: none). `deadline`: the request ends
+        # with "timeout" wherever it is; `queue_deadline`: it must be scheduled by then.
+        self.deadline = deadline
+        self.queue_deadline = queue_deadline
         self.seq = 0  # admission sequence number, set by the scheduler (FIFO tie-break)
         # Scheduler-owned: running, and its next step is one token into a slot it already
         # holds (see Scheduler._attention for the requests that are not)

@@ -24,9 +24,12 @@ done, the sibling is queued as an ordinary request (prefix-cache hits still shar
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
+import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from itertools import islice
 
 from fairbatch.kv.manager import KVCacheManager
@@ -36,12 +39,23 @@ from fairbatch.scheduler.request import FINISH_REASONS, Request, RequestStatus
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager, policy) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_manager: KVCacheManager,
+        policy,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
         self.config = config
+        # The clock of request deadlines (default: the policy's, which quotas use)
+        self.clock = clock or getattr(policy, "_clock", time.monotonic)
         self.kv = kv_manager
         self.policy = policy  # the waiting queue and tenant accounting (policies.Policy)
         if getattr(policy, "wants_hit_length", False):  # dlpm, lpm: order by cache hits
             policy.set_hit_length(self._hit_length)
+        kv_shares = policy.kv_shares() if hasattr(policy, "kv_shares") else {}
+        if kv_shares:  # tenants' kept KV blocks (kv/block_pool.py; `_takeable` below)
+            kv_manager.set_kv_shares(kv_shares)
         self.priority_preemption = (
             config.priority_preemption
             if config.priority_preemption is not None
@@ -83,6 +97,10 @@ class Scheduler:
         self._held: dict[str, list[Request]] = {}
         self._copies: list[tuple[int, int]] = []  # forks' block copies, for the next output
         self.num_forks = 0  # siblings started on their parent's blocks
+        # requests with a finite deadline: a heap of (time, n, request), stale entries skipped
+        self._deadlines: list[tuple[float, int, Request]] = []
+        self._deadline_n = itertools.count()
+        self.num_timed_out = {"queue": 0, "running": 0}
 
     # ---- intake -----------------------------------------------------------------------------
 
@@ -112,6 +130,7 @@ class Scheduler:
         self._max_priority = max(self._max_priority, request.priority)
         self.kv.hash_prompt(request)
         self.requests[request.request_id] = request
+        self._watch_deadline(request)
         if parent is None:
             self.policy.enqueue(request)
         elif not parent.num_output_tokens:
@@ -164,6 +183,40 @@ class Scheduler:
             request.fork_of = None
         else:
             self.policy.remove(request)
+
+    # ---- deadlines --------------------------------------------------------------------------
+
+    def _watch_deadline(self, request: Request) -> None:
+        when = min(request.deadline, request.queue_deadline)
+        if when != math.inf:
+            heapq.heappush(self._deadlines, (when, next(self._deadline_n), request))
+
+    def _evict_expired(self, out: SchedulerOutput) -> None:
+        """At a step's start: finish every request past its deadline with "timeout". The queue
+        deadline holds until a request is first scheduled; the total deadline always. A
+        running request leaves as any finish does (its full blocks enter the prefix cache),
+        charged for the steps it computed; a waiting or swapped one never takes a block."""
+        now = self.clock()
+        heap = self._deadlines
+        while heap and heap[0][0] <= now:
+            request = heapq.heappop(heap)[2]
+            rid = request.request_id
+            if self.requests.get(rid) is not request:
+                continue  # finished, or moved to another replica
+            started = (
+                request.status == RequestStatus.RUNNING
+                or request.num_cached_tokens is not None  # scheduled once (or forked)
+                or request.num_output_tokens > 0  # resubmitted with its tokens so far
+            )
+            if now < request.deadline and (started or now < request.queue_deadline):
+                # it started before its queue deadline: only the total deadline is left
+                if request.deadline != math.inf:
+                    heapq.heappush(heap, (request.deadline, next(self._deadline_n), request))
+                continue
+            stage = "running" if request.num_output_tokens else "queue"  # before a token
+            self._finish(request, RequestStatus.FINISHED_TIMEOUT)
+            out.timed_out[rid] = (request.tenant, stage)
+            self.num_timed_out[stage] += 1
 
     # ---- parallel sampling: siblings forked from their parent's prompt blocks ---------------
 
@@ -226,6 +279,8 @@ class Scheduler:
         self._appended = {}
         if self._copies:
             out.copy_blocks, self._copies = self._copies, []
+        if self._deadlines and self._deadlines[0][0] <= self.clock():
+            self._evict_expired(out)
         budget = self.config.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
         if not out.preempted_swap and not out.preempted_recompute:
@@ -312,7 +367,9 @@ class Scheduler:
                 break
             # `request` did not fit: only requests not yet scheduled may give way (or itself)
             while True:
-                victim = self.policy.pick_victim(running[len(num_scheduled) :])
+                victim = self.policy.pick_victim(
+                    self._takeable(running[len(num_scheduled) :], request)
+                )
                 self._preempt(victim, out)
                 if victim is request:
                     break
@@ -445,7 +502,8 @@ class Scheduler:
         """Make room for `request` by preempting a running request of strictly lower priority."""
         if not self.priority_preemption or not self._num_running_below(request.priority):
             return False
-        victim = self.policy.pick_victim(self.running, below_priority=request.priority)
+        candidates = self._takeable(self.running, request)
+        victim = self.policy.pick_victim(candidates, below_priority=request.priority)
         if victim is None:
             return False
         rid = victim.request_id
@@ -455,6 +513,25 @@ class Scheduler:
             out.total_num_scheduled_tokens -= n
         self._preempt(victim, out)  # (which drops its new_block_ids)
         return True
+
+    def _takeable(self, running: list[Request], request: Request) -> list[Request]:
+        """The requests of `running` that may give way to `request`: with KV shares, another
+        tenant's request only if its tenant keeps at least its reserved blocks without it
+        (distinct GPU blocks of its running requests). `request` itself always may."""
+        kv = self.kv
+        if not kv.gpu_pool.reserves:
+            return running
+        held: dict[str, set[int]] = {}
+        for r in self.running:
+            held.setdefault(r.tenant, set()).update(kv.block_ids(r.request_id))
+        out = []
+        for r in running:
+            if r.tenant != request.tenant and kv.reserve(r.tenant):
+                rest = held[r.tenant].difference(kv.block_ids(r.request_id))
+                if len(rest) < kv.reserve(r.tenant):
+                    continue
+            out.append(r)
+        return out
 
     def _preempt(self, victim: Request, out: SchedulerOutput, mode: str | None = None) -> None:
         mode = mode or self._preemption_mode(victim)
@@ -714,6 +791,7 @@ class Scheduler:
         )
         self._max_priority = max(self._max_priority, request.priority)
         self.requests[request.request_id] = request
+        self._watch_deadline(request)
         if num_swapped_blocks:
             cpu_ids = self.kv.import_swapped(request, num_swapped_blocks)
             if cpu_ids is not None:
