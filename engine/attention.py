@@ -48,6 +48,9 @@ class AttentionMetadata:
     # CPU copies of the lengths, so backends plan the step without a device sync.
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
+    # The block tables on the host too (backends that plan on the CPU read these, not a copy
+    # back from the device); None: read `block_tables`.
+    block_tables_cpu: torch.Tensor | None = None
     # Per-step derived tensors, built once by the first layer and reused by the others.
     _cache: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
 
@@ -62,23 +65,19 @@ class AttentionMetadata:
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)
 
-    @classmethod
-    def build(
-        cls,
+    @staticmethod
+    def host_inputs(
         query_lens: Sequence[int],
         seq_lens: Sequence[int],
         block_tables: Sequence[Sequence[int]],
         block_size: int,
-        device: torch.device | str = "cpu",
-    ) -> tuple[AttentionMetadata, torch.Tensor]:
-        """Metadata and positions `[num_tokens]` for one step, from per-sequence counts.
-
-        `query_lens[s]` new tokens are computed for sequence `s`, whose context is then
-        `seq_lens[s]` tokens; `block_tables[s]` lists its block ids in order and must cover
-        `seq_lens[s]` positions.
-        """
+        width: int | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """The step's integer inputs as CPU tensors: `positions`, `slot_mapping` (int64,
+        `[num_tokens]`), `query_start_loc`, `seq_lens` and `block_tables` (int32; the tables
+        padded with 0 to `width` columns, by default the longest table's)."""
         q_lens, s_lens = list(query_lens), list(seq_lens)
-        width = max((len(t) for t in block_tables), default=0) or 1
+        width = width or max((len(t) for t in block_tables), default=0) or 1
         for s, table in enumerate(block_tables):
             if len(table) * block_size < s_lens[s]:
                 raise ValueError(
@@ -96,18 +95,56 @@ class AttentionMetadata:
             first_pos[seq_of_token] + torch.arange(int(starts[-1])) - starts[:-1][seq_of_token]
         )
         blocks = tables[seq_of_token, positions // block_size].to(torch.int64)
-        slots = blocks * block_size + positions % block_size  # [num_tokens]
+        return {
+            "positions": positions,
+            "slot_mapping": blocks * block_size + positions % block_size,  # [num_tokens]
+            "query_start_loc": starts.to(torch.int32),
+            "seq_lens": torch.tensor(s_lens, dtype=torch.int32),
+            "block_tables": tables,
+        }
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: Sequence[int],
+        seq_lens: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> tuple[AttentionMetadata, torch.Tensor]:
+        """Metadata and positions `[num_tokens]` for one step, from per-sequence counts.
+
+        `query_lens[s]` new tokens are computed for sequence `s`, whose context is then
+        `seq_lens[s]` tokens; `block_tables[s]` lists its block ids in order and must cover
+        `seq_lens[s]` positions.
+        """
+        host = cls.host_inputs(query_lens, seq_lens, block_tables, block_size)
+        dev = {k: v.to(device) for k, v in host.items()}
+        return cls.from_device(dev, list(query_lens), list(seq_lens), host["block_tables"])
+
+    @classmethod
+    def from_device(
+        cls,
+        inputs: dict[str, torch.Tensor],
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables_cpu: torch.Tensor | None = None,
+        max_seq_len: int | None = None,
+    ) -> tuple[AttentionMetadata, torch.Tensor]:
+        """Metadata and int64 positions from `host_inputs`' tensors already on the device (of
+        any integer type: int32 views of one staged copy work)."""
         meta = cls(
-            slot_mapping=slots.to(device),
-            query_start_loc=starts.to(torch.int32).to(device),
-            seq_lens=torch.tensor(s_lens, dtype=torch.int32).to(device),
-            block_tables=tables.to(device),
-            max_query_len=max(q_lens, default=0),
-            max_seq_len=max(s_lens, default=0),
-            query_lens_cpu=q_lens,
-            seq_lens_cpu=s_lens,
+            slot_mapping=inputs["slot_mapping"].long(),
+            query_start_loc=inputs["query_start_loc"].int(),
+            seq_lens=inputs["seq_lens"].int(),
+            block_tables=inputs["block_tables"].int(),
+            max_query_len=max(query_lens, default=0),
+            max_seq_len=max(seq_lens, default=0) if max_seq_len is None else max_seq_len,
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=seq_lens,
+            block_tables_cpu=block_tables_cpu,
         )
-        return meta, positions.to(device)
+        return meta, inputs["positions"].long()
 
 
 class AttentionBackend:
@@ -116,6 +153,9 @@ class AttentionBackend:
     name: ClassVar[str]
     # Inside a block: [num_kv_heads, block_size, head_dim] if True, else [block_size, heads, dim].
     head_major: ClassVar[bool] = False
+    # Whether a decode forward can be captured in a CUDA graph: no host work that depends on
+    # the step's lengths (beyond max_seq_len, which capture fixes at max_model_len), no syncs.
+    supports_cuda_graphs: ClassVar[bool] = False
 
     @classmethod
     def kv_cache_shape(
@@ -328,7 +368,8 @@ class _TorchPlan:
         decode = sorted(
             (s for s, q in enumerate(meta.query_lens_cpu) if q == 1), key=lens.__getitem__
         )
-        tables = meta.block_tables.to(device="cpu", dtype=torch.int64)
+        tables = meta.block_tables if meta.block_tables_cpu is None else meta.block_tables_cpu
+        tables = tables.to(device="cpu", dtype=torch.int64)
         heads = torch.arange(num_kv_heads)[None, :, None]  # [1, Hkv, 1]
 
         def tiles_of(seqs: list[int], seq_lens: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -397,6 +438,7 @@ class FlashAttentionBackend(AttentionBackend):
     """
 
     name = "flash"
+    supports_cuda_graphs = True
 
     def __init__(self) -> None:
         fn = _import_flash()

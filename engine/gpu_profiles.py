@@ -86,6 +86,17 @@ def get_profile(name: str) -> GPUProfile:
     return profile
 
 
+def profile_for_device(device_name: str) -> GPUProfile | None:
+    """The profile of a device as CUDA names it (`torch.cuda.get_device_name()`, e.g.
+    "NVIDIA H100 80GB HBM3"), or None for a GPU without one. PCIe variants of these parts
+    have less bandwidth than the SXM figures here; a check against them is optimistic."""
+    name = device_name.upper()
+    for key, profile in (("H200", H200), ("H100", H100_SXM), ("A100", A100_80GB)):
+        if key in name:
+            return profile
+    return None
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """A Llama-family decoder's dimensions; everything the roofline needs about the model."""

@@ -9,15 +9,16 @@ from typing import Any
 import torch
 
 from fairbatch.engine.core import EngineCore
+from fairbatch.engine.memory import (
+    kv_cache_budget,
+    max_useful_blocks,
+    num_kv_blocks,
+    profile_cuda_memory,
+)
 from fairbatch.engine.runner import ModelRunner
 from fairbatch.engine.sampler import Sampler
 from fairbatch.engine.sampling_params import SamplingParams
-from fairbatch.kv.cache_engine import (
-    CacheEngine,
-    KVLayout,
-    cuda_kv_budget,
-    num_blocks_for_budget,
-)
+from fairbatch.kv.cache_engine import CacheEngine, KVLayout, num_blocks_for_budget
 from fairbatch.kv.manager import KVCacheManager
 from fairbatch.policies import TenantSpec, make_policy
 from fairbatch.scheduler import Scheduler, SchedulerConfig
@@ -92,30 +93,55 @@ def build_engine(
     policy: str = "fcfs",
     tenants: list[TenantSpec] | None = None,
     seed: int = 0,
+    enforce_eager: bool = False,
 ) -> EngineCore:
     """An EngineCore on the real model. KV sizing: explicit block counts win; otherwise
-    `kv_cache_bytes` on CPU, or `gpu_memory_utilization` of the device on CUDA."""
+    `kv_cache_bytes` on CPU, or on CUDA `gpu_memory_utilization` of the device less the
+    weights, the peak activations of a profiled dummy step and what other processes hold
+    (engine/memory.py); either way at most the blocks `max_num_seqs` sequences of
+    `max_model_len` tokens fill. On CUDA decode steps replay CUDA graphs where the attention
+    backend allows it, unless `enforce_eager`. Settings the backend cannot run fail here."""
+    if block_size < 1 or max_num_seqs < 1 or max_num_batched_tokens < 1:
+        raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be >= 1")
     dev = torch.device(device)
     m, config, tok, eos = load_model(model, dev, dtype, attn_backend)
     param_dtype = next(m.parameters()).dtype
+    backend = m.attn_backend(dev, param_dtype)  # raises if it cannot run this model here
+    try:
+        backend.check_block_size(block_size)
+    except ValueError as e:
+        raise ValueError(
+            f"{e} (attention backend {backend.name!r}; pick another block_size)"
+        ) from e
     layout = KVLayout(
         config.num_hidden_layers,
         config.num_key_value_heads,
         config.head_dim,
         block_size,
         param_dtype,
-        head_major=m.attn_backend(dev, param_dtype).head_major,
+        head_major=backend.head_major,
     )
+    max_len = min(max_model_len or config.max_position_embeddings, config.max_position_embeddings)
     if num_gpu_blocks is None:
-        budget = (
-            cuda_kv_budget(gpu_memory_utilization, dev) if dev.type == "cuda" else kv_cache_bytes
-        )
-        num_gpu_blocks = num_blocks_for_budget(layout, budget)
+        if dev.type == "cuda":
+            profile = profile_cuda_memory(
+                m,
+                layout,
+                dev,
+                max_num_batched_tokens,
+                max_num_seqs,
+                max_len,
+                Sampler(generator=torch.Generator(device=dev).manual_seed(0)),
+            )
+            budget = kv_cache_budget(profile, gpu_memory_utilization)
+        else:
+            budget = kv_cache_bytes
+        cap = max_useful_blocks(max_len, max_num_seqs, block_size)
+        num_gpu_blocks = num_kv_blocks(budget, layout.bytes_per_block, cap)
     if num_gpu_blocks < 1:
         raise ValueError("no memory left for the KV cache; lower the model size or raise limits")
     if num_cpu_blocks is None:
         num_cpu_blocks = num_blocks_for_budget(layout, swap_space_bytes)
-    max_len = min(max_model_len or config.max_position_embeddings, config.max_position_embeddings)
     sched_cfg = SchedulerConfig(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
@@ -125,9 +151,12 @@ def build_engine(
     )
     kv = KVCacheManager(num_gpu_blocks, block_size, num_cpu_blocks, enable_prefix_caching)
     scheduler = Scheduler(sched_cfg, kv, make_policy(policy, tenants or ()))
-    cache = CacheEngine(layout, num_gpu_blocks, num_cpu_blocks, dev)
+    use_graphs = dev.type == "cuda" and backend.supports_cuda_graphs and not enforce_eager
+    cache = CacheEngine(layout, num_gpu_blocks, num_cpu_blocks, dev, pad_block=use_graphs)
     gen = torch.Generator(device=dev).manual_seed(seed)
     runner = ModelRunner(m, cache, Sampler(generator=gen))
+    if use_graphs:
+        runner.capture_decode_graphs(max_num_seqs, max_len)
     engine = EngineCore(scheduler, runner, tok, eos, vocab_size=config.vocab_size)
     return engine
 

@@ -2,6 +2,12 @@
 
 block copies, swap copies -> flattened batch -> one forward -> logits of the rows that sample
 -> sampler.
+
+On CUDA the step's integer inputs reach the device in one non-blocking copy from a pinned
+buffer (engine/staging.py), decode-only steps replay a captured CUDA graph when the runner has
+them (engine/cuda_graphs.py), and the only host sync is the sampler handing back the tokens;
+forward time is taken with CUDA events, read once they have completed. On CPU a step is
+built as plain tensors.
 """
 
 from __future__ import annotations
@@ -12,9 +18,16 @@ from collections.abc import Sequence
 import torch
 
 from fairbatch.engine.attention import AttentionMetadata
+from fairbatch.engine.cuda_graphs import (
+    INPUT_NAMES,
+    DecodeGraphs,
+    pad_decode_rows,
+    padded_batch_size,
+)
 from fairbatch.engine.model import LlamaForCausalLM
 from fairbatch.engine.sampler import Sampler
 from fairbatch.engine.sampling_params import SamplingParams
+from fairbatch.engine.staging import Staging
 from fairbatch.kv.cache_engine import CacheEngine
 from fairbatch.scheduler.output import RunnerOutput, SchedulerOutput
 
@@ -45,6 +58,7 @@ class ModelRunner:
         model: LlamaForCausalLM,
         cache_engine: CacheEngine,
         sampler: Sampler | None = None,
+        stage_inputs: bool | None = None,  # one staged copy per step; default: on CUDA
     ) -> None:
         self.model = model
         self.cache = cache_engine
@@ -57,6 +71,30 @@ class ModelRunner:
         self.logits_mask = None
         self.forward_time = 0.0  # seconds spent in model forward + logits (for the benchmark)
         self.num_steps = 0
+        if stage_inputs is None:
+            stage_inputs = self.cache.is_cuda
+        self.staging = Staging(self.device) if stage_inputs else None
+        self.graphs: DecodeGraphs | None = None
+        self.num_graph_steps = 0
+        self._timers: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # not yet read
+
+    def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+        """Capture the decode forward at the padded batch sizes up to `max_num_seqs`."""
+        backend = self.model.attn_backend(self.device, self.cache.layout.dtype)
+        if not self.cache.is_cuda or self.cache.pad_block is None or self.staging is None:
+            raise ValueError("CUDA graphs need a CUDA cache engine with a pad block")
+        if not backend.supports_cuda_graphs:
+            raise ValueError(f"the {backend.name!r} attention backend cannot be captured")
+        graphs = DecodeGraphs(
+            self.model,
+            self.kv_caches,
+            self.block_size,
+            max_num_seqs,
+            max_model_len,
+            self.cache.pad_block,
+        )
+        graphs.capture()
+        self.graphs = graphs
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
@@ -99,21 +137,19 @@ class ModelRunner:
                     scored.append((req, start, first_row, end - start))
 
         t0 = time.perf_counter()
-        meta, positions = AttentionMetadata.build(
-            query_lens, seq_lens, tables, self.block_size, self.device
-        )
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        hidden = self.model(ids, positions, self.kv_caches, meta)  # [num_tokens, hidden]
+        timer = self._start_timer()
+        hidden, rows = self._forward(input_ids, query_lens, seq_lens, tables, sample_rows)
         if scored:
             self._score_prompts(hidden, scored)
         if not sample_reqs:
-            self.forward_time += time.perf_counter() - t0
+            self._stop_timer(timer, t0)
             return RunnerOutput()
-        rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, rows))  # [num_samples, vocab]
-        if self.cache.is_cuda:
-            torch.cuda.synchronize(self.device)  # honest timing of the forward
-        self.forward_time += time.perf_counter() - t0
+        if rows is None:  # the sampling rows are the first ones, in order
+            picked = hidden[: len(sample_rows)]
+        else:
+            picked = hidden.index_select(0, rows)
+        logits = self.model.compute_logits(picked)  # [num_samples, vocab]
+        self._stop_timer(timer, t0)
 
         if self.logits_mask is not None:
             logits = self.logits_mask(logits, sample_reqs)
@@ -124,11 +160,81 @@ class ModelRunner:
             [r.prompt_token_ids for r in sample_reqs],
             _OutputsOf(sample_reqs),
         )
+        self._read_timers()  # the sampled tokens are on the host: the forward has finished
         sampled = {r.request_id: t for r, t in zip(sample_reqs, result.token_ids)}
         logprobs = {
             r.request_id: lp for r, lp in zip(sample_reqs, result.logprobs) if lp is not None
         }
         return RunnerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+    def _forward(
+        self,
+        input_ids: list[int],
+        query_lens: list[int],
+        seq_lens: list[int],
+        tables: list[list[int]],
+        sample_rows: list[int],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Hidden states `[num_tokens, hidden]` and the sampling rows as a device index
+        (None when they are rows 0, 1, ... in order)."""
+        if self.staging is None:  # CPU: plain tensors
+            meta, positions = AttentionMetadata.build(
+                query_lens, seq_lens, tables, self.block_size, self.device
+            )
+            ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+            rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+            return self.model(ids, positions, self.kv_caches, meta), rows
+        in_order = sample_rows == list(range(len(sample_rows)))
+        extra = [] if in_order else [torch.tensor(sample_rows)]
+        batch = self._graph_batch(query_lens, tables)
+        if batch is not None:
+            g = self.graphs
+            ids, lens, tabs = pad_decode_rows(input_ids, seq_lens, tables, batch, g.pad_block)
+            host = AttentionMetadata.host_inputs([1] * batch, lens, tabs, self.block_size, g.width)
+            host["ids"] = torch.tensor(ids)
+            views = self.staging.upload([host[k] for k in INPUT_NAMES] + extra, out=g.static)
+            self.num_graph_steps += 1
+            hidden = g.replay(batch, views[0])[: len(input_ids)]
+        else:
+            host = AttentionMetadata.host_inputs(query_lens, seq_lens, tables, self.block_size)
+            host["ids"] = torch.tensor(input_ids)
+            views = self.staging.upload([host[k] for k in INPUT_NAMES] + extra)
+            dev = dict(zip(INPUT_NAMES, views))
+            meta, positions = AttentionMetadata.from_device(
+                dev, query_lens, seq_lens, host["block_tables"]
+            )
+            hidden = self.model(dev["ids"].long(), positions, self.kv_caches, meta)
+        return hidden, (views[-1].long() if extra else None)
+
+    def _graph_batch(self, query_lens: list[int], tables: list[list[int]]) -> int | None:
+        """The captured batch size this step replays, or None to run it eagerly."""
+        g = self.graphs
+        if g is None or any(q != 1 for q in query_lens):
+            return None
+        if any(len(t) > g.width for t in tables):
+            return None
+        return padded_batch_size(len(query_lens), g.sizes)
+
+    def _start_timer(self) -> torch.cuda.Event | None:
+        if not self.cache.is_cuda:
+            return None
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
+        return start
+
+    def _stop_timer(self, start: torch.cuda.Event | None, t0: float) -> None:
+        if start is None:
+            self.forward_time += time.perf_counter() - t0
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self._timers.append((start, end))
+
+    def _read_timers(self) -> None:
+        """Add the finished CUDA-timed forwards to `forward_time` (no waiting)."""
+        while self._timers and self._timers[0][1].query():
+            start, end = self._timers.pop(0)
+            self.forward_time += start.elapsed_time(end) / 1e3
 
     def _score_prompts(self, hidden: torch.Tensor, scored: list[tuple]) -> None:
         """Fill the prompt log-prob records of this step's prompt positions (one logits call

@@ -15,6 +15,7 @@ index operations.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,12 +53,45 @@ def num_blocks_for_budget(layout: KVLayout, budget_bytes: int) -> int:
     return max(int(budget_bytes // layout.bytes_per_block), 0)
 
 
-def cuda_kv_budget(gpu_memory_utilization: float, device: torch.device) -> int:
-    """Bytes for the KV cache on CUDA: a fraction of the device's memory, less what is already
-    used (weights, activations measured by the caller's warm-up)."""
-    free, total = torch.cuda.mem_get_info(device)
-    used = total - free
-    return max(int(total * gpu_memory_utilization) - used, 0)
+class PinnedPool:
+    """Flat host buffers of one dtype, reused once the copies that read or wrote them finish.
+
+    `take(numel)` returns a free buffer of at least `numel` elements (or a new one);
+    `give(buf, event)` returns it, reusable once `event` (None: at once) has completed.
+    At most `keep` idle buffers stay; the smallest finished ones are dropped first.
+    """
+
+    def __init__(self, dtype: torch.dtype, pin: bool = True, keep: int = 4) -> None:
+        self.dtype = dtype
+        self.pin = pin
+        self.keep = keep
+        self._idle: list[tuple[torch.Tensor, object]] = []
+        self.num_allocated = 0
+
+    @staticmethod
+    def _done(event) -> bool:
+        return event is None or event.query()
+
+    def take(self, numel: int) -> torch.Tensor:
+        best = None
+        for i, (buf, event) in enumerate(self._idle):
+            if buf.numel() >= numel and self._done(event):
+                if best is None or buf.numel() < self._idle[best][0].numel():
+                    best = i
+        if best is not None:
+            return self._idle.pop(best)[0]
+        self.num_allocated += 1
+        return torch.empty(numel, dtype=self.dtype, pin_memory=self.pin)
+
+    def give(self, buf: torch.Tensor, event=None) -> None:
+        self._idle.append((buf, event))
+        while len(self._idle) > self.keep:
+            done = [i for i, (_, ev) in enumerate(self._idle) if self._done(ev)]
+            if not done:
+                break
+            smallest = min(done, key=lambda i: self._idle[i][0].numel())
+            # torch's pinned allocator keeps the memory until its recorded copies finish
+            del self._idle[smallest]
 
 
 class CacheEngine:
@@ -67,18 +101,25 @@ class CacheEngine:
         num_gpu_blocks: int,
         num_cpu_blocks: int,
         device: torch.device | str = "cpu",
+        pad_block: bool = False,
     ) -> None:
         self.layout = layout
         self.device = torch.device(device)
         self.is_cuda = self.device.type == "cuda"
+        # With `pad_block`, one block past the pool's last (id `num_gpu_blocks`, never handed
+        # out): the padding rows of a CUDA graph's batch write their K/V there.
+        self.pad_block = num_gpu_blocks if pad_block else None
         self.gpu_cache = torch.zeros(
-            layout.shape(num_gpu_blocks), dtype=layout.dtype, device=device
+            layout.shape(num_gpu_blocks + int(pad_block)), dtype=layout.dtype, device=device
         )
         # Pinned host memory makes device<->host copies truly asynchronous; pinning needs CUDA.
         self.cpu_cache = torch.zeros(
             layout.shape(max(num_cpu_blocks, 0)), dtype=layout.dtype, pin_memory=self.is_cuda
         )
         self.swap_stream = torch.cuda.Stream(self.device) if self.is_cuda else None
+        # Pinned staging buffers for the swaps: a swap-in gathers its CPU blocks straight into
+        # one (a single host copy), a swap-out lands in one until it is settled.
+        self.host_buffers = PinnedPool(layout.dtype) if self.is_cuda else None
         # Swap-outs whose device-to-host copy may still be in flight:
         # (done event, cpu block ids, pinned host buffer, device buffer kept alive until done)
         self._pending_out: list[tuple[torch.cuda.Event, torch.Tensor, torch.Tensor, object]] = []
@@ -88,6 +129,17 @@ class CacheEngine:
         """Per layer `[2, num_gpu_blocks, ...]` views (block inner order: see KVLayout)."""
         return list(self.gpu_cache.unbind(0))
 
+    def _device_index(self, ids: list[int]) -> torch.Tensor:
+        """Block ids as an int64 device tensor; on CUDA a non-blocking copy from pinned memory
+        (a pageable copy would make the host wait for the device)."""
+        if not self.is_cuda:
+            return torch.tensor(ids, dtype=torch.long)
+        idx = torch.tensor(ids, dtype=torch.long, pin_memory=True).to(
+            self.device, non_blocking=True
+        )
+        idx.record_stream(self.swap_stream)  # also read there: not reused before it is done
+        return idx
+
     # ---- copies within the device cache ------------------------------------------------------
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
@@ -96,8 +148,8 @@ class CacheEngine:
         before any destination is written."""
         if not pairs:
             return
-        src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=self.device)
-        dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=self.device)
+        src = self._device_index([s for s, _ in pairs])
+        dst = self._device_index([d for _, d in pairs])
         self.gpu_cache.index_copy_(2, dst, self.gpu_cache.index_select(2, src))
 
     # ---- swaps ------------------------------------------------------------------------------
@@ -108,13 +160,15 @@ class CacheEngine:
             return
         self.settle()  # the CPU blocks may be the target of a swap-out still in flight
         cpu_idx = torch.tensor([c for c, _ in mapping], dtype=torch.long)
-        gpu_idx = torch.tensor([g for _, g in mapping], dtype=torch.long, device=self.device)
+        gpu_idx = self._device_index([g for _, g in mapping])
         self.bytes_swapped["in"] += len(mapping) * self.layout.bytes_per_block
-        host = self.cpu_cache.index_select(2, cpu_idx)  # one gather over all layers
         if not self.is_cuda:
-            self.gpu_cache.index_copy_(2, gpu_idx, host)
+            self.gpu_cache.index_copy_(2, gpu_idx, self.cpu_cache.index_select(2, cpu_idx))
             return
-        host = host.pin_memory()
+        shape = self.layout.shape(len(mapping))
+        buf = self.host_buffers.take(math.prod(shape))
+        host = buf[: math.prod(shape)].view(shape)
+        torch.index_select(self.cpu_cache, 2, cpu_idx, out=host)  # one gather over all layers
         compute = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self.swap_stream):
             # Earlier steps may still be reading the target blocks' previous contents.
@@ -124,15 +178,16 @@ class CacheEngine:
             done = torch.cuda.Event()
             done.record(self.swap_stream)
         # The step reads these blocks: it waits for exactly this copy. `dev` was allocated on the
-        # swap stream and the pinned `host` is tracked by torch's caching host allocator, so
-        # neither is reused before the copy completes.
+        # swap stream (not reused before the copy is done); the host buffer goes back to the
+        # pool, reusable once `done` has completed.
         compute.wait_event(done)
+        self.host_buffers.give(buf, done)
 
     def swap_out(self, mapping: list[tuple[int, int]]) -> None:
         """Copy (gpu block, cpu block) pairs device -> host before the freed blocks are reused."""
         if not mapping:
             return
-        gpu_idx = torch.tensor([g for g, _ in mapping], dtype=torch.long, device=self.device)
+        gpu_idx = self._device_index([g for g, _ in mapping])
         cpu_idx = torch.tensor([c for _, c in mapping], dtype=torch.long)
         self.bytes_swapped["out"] += len(mapping) * self.layout.bytes_per_block
         if not self.is_cuda:
@@ -144,19 +199,21 @@ class CacheEngine:
             dev = self.gpu_cache.index_select(2, gpu_idx)
             gathered = torch.cuda.Event()
             gathered.record(self.swap_stream)
-            host = torch.empty(dev.shape, dtype=dev.dtype, pin_memory=True)
+            buf = self.host_buffers.take(dev.numel())
+            host = buf[: dev.numel()].view(dev.shape)
             host.copy_(dev, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.swap_stream)
         # The forward may overwrite the freed blocks once they are gathered, not before.
         compute.wait_event(gathered)
-        self._pending_out.append((done, cpu_idx, host, dev))
+        self._pending_out.append((done, cpu_idx, host, (dev, buf)))
 
     def settle(self) -> None:
         """Finish in-flight swap-outs: wait for their copies, then place them in the CPU pool."""
-        for done, cpu_idx, host, _dev in self._pending_out:
+        for done, cpu_idx, host, (_dev, buf) in self._pending_out:
             done.synchronize()
             self.cpu_cache.index_copy_(2, cpu_idx, host)
+            self.host_buffers.give(buf)
         self._pending_out.clear()
 
     def poll(self) -> None:

@@ -1,0 +1,127 @@
+"""How big the KV pool may be: the arithmetic (pure), and the profiling run that feeds it.
+
+On CUDA, `build_engine` loads the weights, runs one dummy step of `max_num_batched_tokens`
+tokens (and the sampler over `max_num_seqs` rows) and reads the allocator's peak. The pool then
+gets what is left of our share of the device:
+
+    budget = utilization x total - weights - peak activations - memory other processes hold
+
+`total - free` would count the other processes' memory as ours and undersize (or oversize) the
+pool. A pool is also never larger than `max_num_seqs` sequences of `max_model_len` tokens need,
+so a small model on a large GPU does not build millions of Python block objects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class MemoryProfile:
+    """Bytes on one device, as measured before the KV cache exists."""
+
+    total: int  # the device's memory
+    weights: int  # our weights (allocated after loading, before the dummy step)
+    peak_activations: int  # peak allocated during the dummy step, above the weights
+    others: int  # held outside our allocator: other processes (and our CUDA context)
+
+
+def kv_cache_budget(profile: MemoryProfile, utilization: float) -> int:
+    """Bytes the KV cache may take: our share of the device less everything else on it."""
+    if not 0 < utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
+    used = profile.weights + profile.peak_activations + profile.others
+    return max(int(profile.total * utilization) - used, 0)
+
+
+def max_useful_blocks(max_model_len: int, max_num_seqs: int, block_size: int) -> int:
+    """Blocks that `max_num_seqs` sequences of `max_model_len` tokens can fill at once."""
+    return -(-max_model_len // block_size) * max_num_seqs
+
+
+def num_kv_blocks(budget_bytes: int, bytes_per_block: int, cap: int | None = None) -> int:
+    """Whole blocks that fit in `budget_bytes`, at most `cap`."""
+    blocks = max(int(budget_bytes // bytes_per_block), 0)
+    return blocks if cap is None else min(blocks, cap)
+
+
+def dummy_step(
+    max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int, block_size: int
+) -> tuple[list[int], list[list[int]]]:
+    """The largest step the scheduler can make, as (query lengths, block tables): prompts as
+    long as a sequence may be, `max_num_batched_tokens` tokens in all, at most `max_num_seqs`
+    of them. Long prompts are the worst case for attention's scratch memory. Block ids start
+    at 0 and do not overlap."""
+    lens: list[int] = []
+    left = max_num_batched_tokens
+    while left > 0 and len(lens) < max_num_seqs:
+        lens.append(min(left, max_model_len))
+        left -= lens[-1]
+    tables, next_block = [], 0
+    for n in lens:
+        count = -(-n // block_size)
+        tables.append(list(range(next_block, next_block + count)))
+        next_block += count
+    return lens, tables
+
+
+@torch.inference_mode()
+def run_dummy_step(
+    model,
+    kv_caches: list[torch.Tensor],
+    query_lens: list[int],
+    tables: list[list[int]],
+    block_size: int,
+    num_sample_rows: int,
+    sampler=None,
+) -> None:
+    """One forward over the given prompts into `kv_caches`, then the logits of
+    `num_sample_rows` rows and, with a sampler, one random-sampling pass over them."""
+    from fairbatch.engine.attention import AttentionMetadata
+    from fairbatch.engine.sampling_params import SamplingParams
+
+    device = kv_caches[0].device
+    meta, positions = AttentionMetadata.build(query_lens, query_lens, tables, block_size, device)
+    ids = torch.zeros(sum(query_lens), dtype=torch.long, device=device)
+    hidden = model(ids, positions, kv_caches, meta)
+    rows = torch.arange(num_sample_rows, device=device) % hidden.shape[0]
+    logits = model.compute_logits(hidden.index_select(0, rows))
+    if sampler is not None:
+        params = [SamplingParams(temperature=1.0, top_p=0.9, top_k=50)] * num_sample_rows
+        sampler.sample(logits, params, [[0]] * num_sample_rows, [[]] * num_sample_rows)
+
+
+def profile_cuda_memory(
+    model,
+    layout,
+    device: torch.device,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+    max_model_len: int,
+    sampler=None,
+) -> MemoryProfile:
+    """Measure weights and peak activations with one dummy step (CUDA only). The step writes
+    its K/V into a scratch cache just big enough for it; that cache is not counted."""
+    from fairbatch.kv.cache_engine import CacheEngine
+
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    weights = torch.cuda.memory_allocated(device)
+    lens, tables = dummy_step(
+        max_num_batched_tokens, max_num_seqs, max_model_len, layout.block_size
+    )
+    scratch = CacheEngine(layout, sum(len(t) for t in tables), 0, device)
+    scratch_bytes = torch.cuda.memory_allocated(device) - weights
+    torch.cuda.reset_peak_memory_stats(device)
+    run_dummy_step(
+        model, scratch.layer_caches(), lens, tables, layout.block_size, max_num_seqs, sampler
+    )
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - weights - scratch_bytes
+    del scratch
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    others = max(total - free - torch.cuda.memory_reserved(device), 0)
+    return MemoryProfile(total, weights, max(peak, 0), others)
