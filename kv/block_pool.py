@@ -10,6 +10,12 @@ A block is in exactly one of three states:
   * free      - ref_cnt == 0, on the free list, no hash
 Allocation takes from the head of the free list (least recently freed first), evicting the hash
 of a cached block it takes. That is what makes the free list LRU.
+
+KV shares (`set_reserves`): a block allocated for a tenant is owned by it until it is plain
+free again; a tenant holds its in-use and cached blocks. With reserves set, an allocation
+takes, in LRU order, plain free blocks and cached ones of tenants holding more than their
+reserve first, and only then the cached blocks of tenants within theirs (the scheduler keeps
+other tenants' preemption off a tenant within its reserve).
 """
 
 from __future__ import annotations
@@ -22,7 +28,15 @@ from collections.abc import Callable, Iterable, Sequence
 class KVBlock:
     """One block of `block_size` token slots. Threaded into the free list by prev/next."""
 
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "token_bytes", "prev_free", "next_free")
+    __slots__ = (
+        "block_id",
+        "ref_cnt",
+        "block_hash",
+        "token_bytes",
+        "prev_free",
+        "next_free",
+        "owner",
+    )
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -31,6 +45,7 @@ class KVBlock:
         self.token_bytes: bytes | None = None  # pack_tokens() of the tokens the hash covers
         self.prev_free: KVBlock | None = None
         self.next_free: KVBlock | None = None
+        self.owner: str | None = None  # the tenant it was allocated for, while not plain free
 
     def __repr__(self) -> str:
         return f"KVBlock({self.block_id}, ref={self.ref_cnt}, cached={self.block_hash is not None})"
@@ -171,6 +186,15 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[bytes, KVBlock] = {}
+        self.reserves: dict[str, int] = {}  # tenant -> blocks kept for it (KV shares)
+        self.held: dict[str, int] = {}  # tenant -> blocks it owns, in use or cached
+
+    def set_reserves(self, reserves: dict[str, int]) -> None:
+        """Blocks to keep for each tenant: its cached blocks are evicted last while it holds
+        no more than that. Their sum must fit the pool."""
+        if sum(reserves.values()) > self.num_blocks or min(reserves.values(), default=0) < 0:
+            raise ValueError(f"reserves {reserves} do not fit {self.num_blocks} blocks")
+        self.reserves = dict(reserves)
 
     @property
     def num_free_blocks(self) -> int:
@@ -181,17 +205,54 @@ class BlockPool:
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.free_queue.num_free
 
-    def allocate(self, n: int) -> list[KVBlock]:
+    def allocate(self, n: int, owner: str | None = None) -> list[KVBlock]:
+        """n blocks for `owner` (a tenant, or None: untracked)."""
         if n > self.free_queue.num_free:
             raise ValueError(f"cannot allocate {n} blocks: only {self.free_queue.num_free} free")
-        out = self.free_queue.popleft_n(n)
-        cached = self.cached
+        out = self._take_reserved(n) if self.reserves else self.free_queue.popleft_n(n)
+        cached, held = self.cached, self.held
         for block in out:
             block_hash = block.block_hash
             if block_hash is not None:  # a cached block, reused for other tokens: forget it
                 del cached[block_hash]  # (a block carries a hash only while indexed under it)
                 block.block_hash = block.token_bytes = None
+            if block.owner is not None:
+                held[block.owner] -= 1
+            block.owner = owner
             block.ref_cnt = 1
+        if owner is not None and out:
+            held[owner] = held.get(owner, 0) + len(out)
+        return out
+
+    def set_owner(self, blocks: Iterable[KVBlock], owner: str | None) -> None:
+        """Blocks just allocated untracked (one call for several requests) go to `owner`."""
+        held = self.held
+        for block in blocks:
+            if block.owner is not None:
+                held[block.owner] -= 1
+            block.owner = owner
+            if owner is not None:
+                held[owner] = held.get(owner, 0) + 1
+
+    def _take_reserved(self, n: int) -> list[KVBlock]:
+        """The n free blocks to allocate under reserves: in LRU order, plain free ones and
+        cached ones of owners over their reserve, then the rest in LRU order."""
+        reserves, held = self.reserves, dict(self.held)
+        first: list[KVBlock] = []
+        rest: list[KVBlock] = []
+        for block in self.free_queue:
+            owner = block.owner
+            if owner is None or held.get(owner, 0) > reserves.get(owner, 0):
+                first.append(block)
+                if owner is not None:
+                    held[owner] -= 1
+                if len(first) == n:
+                    break
+            elif len(rest) < n:
+                rest.append(block)
+        out = first + rest[: n - len(first)]
+        for block in out:
+            self.free_queue.remove(block)
         return out
 
     def free(self, blocks: Iterable[KVBlock]) -> None:
@@ -200,6 +261,9 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 released.append(block)
+                if block.owner is not None and block.block_hash is None:  # plain free now
+                    self.held[block.owner] -= 1
+                    block.owner = None
             elif block.ref_cnt < 0:
                 self.free_queue.extend(released)
                 raise AssertionError(f"double free of {block}")
@@ -281,6 +345,9 @@ class BlockPool:
         for block in self.cached.values():
             block.block_hash = None
             block.token_bytes = None
+            if block.ref_cnt == 0 and block.owner is not None:  # plain free now
+                self.held[block.owner] -= 1
+                block.owner = None
         self.cached.clear()
 
     def counts(self) -> tuple[int, int, int]:
@@ -312,3 +379,9 @@ class BlockPool:
         assert len(on_list) + in_use == self.num_blocks, "free + cached + in use != total"
         free = len(on_list) - cached_free
         assert self.counts() == (free, cached_free, in_use), "counts() disagrees with the blocks"
+        held: dict[str, int] = {}
+        for block in self.blocks:
+            if block.owner is not None:
+                assert block.ref_cnt > 0 or block.block_hash is not None, f"{block} owned, free"
+                held[block.owner] = held.get(block.owner, 0) + 1
+        assert held == {t: n for t, n in self.held.items() if n}, "held counts disagree"

@@ -19,6 +19,10 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def tenant_of(request) -> str | None:
+    return getattr(request, "tenant", None)
+
+
 class KVCacheManager:
     def __init__(
         self,
@@ -41,6 +45,22 @@ class KVCacheManager:
         self.req_packed: dict[str, list[bytes]] = {}
         self.num_cached: dict[str, int] = {}  # how many leading blocks are registered in the cache
         self.swapped: dict[str, list[KVBlock]] = {}  # request id -> its CPU blocks
+
+    def set_kv_shares(self, shares: dict[str, float]) -> None:
+        """Keep floor(share x GPU blocks) for each tenant: its cached blocks are evicted last
+        while it holds no more (`BlockPool.set_reserves`); the scheduler reads `reserve` to keep
+        other tenants' preemption off them. Shares are in (0, 1] and sum to <= 1."""
+        for tenant, share in shares.items():
+            if not 0 < share <= 1:
+                raise ValueError(f"kv_share of {tenant!r} must be in (0, 1], got {share!r}")
+        if sum(shares.values()) > 1 + 1e-9:
+            raise ValueError(f"kv_share values sum to {sum(shares.values()):g} > 1")
+        n = self.gpu_pool.num_blocks
+        self.gpu_pool.set_reserves({t: int(share * n) for t, share in shares.items()})
+
+    def reserve(self, tenant: str) -> int:
+        """GPU blocks kept for `tenant` (0 without a share)."""
+        return self.gpu_pool.reserves.get(tenant, 0)
 
     # ---- GPU blocks -------------------------------------------------------------------------
 
@@ -156,7 +176,7 @@ class KVCacheManager:
             self.num_cached[rid] = len(blocks)
         if num_new <= 0:
             return []
-        return self._append(rid, blocks, self.gpu_pool.allocate(num_new))
+        return self._append(rid, blocks, self.gpu_pool.allocate(num_new, tenant_of(request)))
 
     def allocate_slots_batch(self, requests, num_new_tokens) -> list[list[int]] | None:
         """`allocate_slots(request, n)` for each (request, n) pair, in order, in one call: all
@@ -174,6 +194,12 @@ class KVCacheManager:
         if total > self.gpu_pool.free_queue.num_free:
             return None
         taken = self.gpu_pool.allocate(total)
+        if self.gpu_pool.reserves:
+            pos = 0
+            for request, k in zip(requests, needs):
+                if k > 0:
+                    self.gpu_pool.set_owner(taken[pos : pos + k], tenant_of(request))
+                    pos += k
         out: list[list[int]] = []
         pos = 0
         for request, k in zip(requests, needs):
@@ -200,6 +226,8 @@ class KVCacheManager:
         req_blocks, req_block_ids = self.req_blocks, self.req_block_ids
         new_blocks = pool.allocate(n)
         for request, block in zip(requests, new_blocks):
+            if pool.reserves:
+                pool.set_owner([block], tenant_of(request))
             rid = request.request_id
             req_blocks[rid].append(block)
             req_block_ids[rid].append(block.block_id)
@@ -224,7 +252,7 @@ class KVCacheManager:
         self.num_cached[cid] = min(self.num_cached[parent.request_id], num_full)
         if not partial:
             return []
-        (copy,) = self.gpu_pool.allocate(1)
+        (copy,) = self.gpu_pool.allocate(1, tenant_of(child))
         self._append(cid, blocks, [copy])
         return [(src[num_full].block_id, copy.block_id)]
 
@@ -322,7 +350,7 @@ class KVCacheManager:
         if not self.can_swap_in(request):
             raise ValueError(f"not enough GPU blocks to swap in {rid}")
         cpu_blocks = self.swapped.pop(rid)
-        gpu_blocks = self.gpu_pool.allocate(len(cpu_blocks))
+        gpu_blocks = self.gpu_pool.allocate(len(cpu_blocks), tenant_of(request))
         self.req_blocks[rid] = gpu_blocks
         self.req_block_ids[rid] = [b.block_id for b in gpu_blocks]
         self.num_cached[rid] = 0
