@@ -100,31 +100,36 @@ class DecodeGraphs:
         )
         return self.model(v["ids"].long(), positions, self.kv_caches, meta)
 
+    def _fill_padding(self, batch: int) -> None:
+        # Valid inputs for capture: `batch` padding rows (the sizes' views overlap, so each
+        # size is filled right before it is captured).
+        v = self.views(batch)
+        v["ids"].zero_()
+        v["positions"].zero_()
+        v["slot_mapping"].fill_(self.pad_block * self.block_size)
+        v["query_start_loc"].copy_(torch.arange(batch + 1, dtype=torch.int32))
+        v["seq_lens"].fill_(1)
+        v["block_tables"].fill_(self.pad_block)
+
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every size, largest first (the smaller graphs then fit in its memory pool).
-        The static inputs describe padding rows only, so capture writes nothing that matters."""
-        for batch in self.sizes:
-            v = self.views(batch)
-            v["ids"].zero_()
-            v["positions"].zero_()
-            v["slot_mapping"].fill_(self.pad_block * self.block_size)
-            v["query_start_loc"].copy_(torch.arange(batch + 1, dtype=torch.int32))
-            v["seq_lens"].fill_(1)
-            v["block_tables"].fill_(self.pad_block)
+        Capture runs padding rows only, so it writes nothing but the pad block."""
+        device = self.static.device
         pool = None
-        side = torch.cuda.Stream(self.static.device)
-        side.wait_stream(torch.cuda.current_stream(self.static.device))
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             for batch in reversed(self.sizes):
+                self._fill_padding(batch)
                 self._forward(batch)  # warm-up: lazy initialisation stays out of the graph
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=side):
                     hidden = self._forward(batch)
                 pool = graph.pool()
                 self._graphs[batch] = (graph, hidden, self.views(batch)["ids"].data_ptr())
-        torch.cuda.current_stream(self.static.device).wait_stream(side)
-        torch.cuda.synchronize(self.static.device)
+        torch.cuda.current_stream(device).wait_stream(side)
+        torch.cuda.synchronize(device)
 
     def replay(self, batch: int, staged_ids: torch.Tensor) -> torch.Tensor:
         """Run the graph of `batch` on the inputs staged into its views; the hidden states

@@ -170,3 +170,22 @@ def test_profile_for_device_names():
     assert profile_for_device("NVIDIA H100 80GB HBM3") is H100_SXM
     assert profile_for_device("NVIDIA A100-SXM4-80GB").name == "A100-80GB"
     assert profile_for_device("NVIDIA GeForce RTX 4090") is None
+
+
+def test_staged_decode_inputs_land_in_the_graph_views():
+    from fairbatch.engine.cuda_graphs import INPUT_NAMES, DecodeGraphs
+
+    kv = [torch.zeros(2, 11, 16, 2, 4)]
+    g = DecodeGraphs(None, kv, block_size=16, max_num_seqs=5, max_model_len=64, pad_block=10)
+    assert g.sizes == [1, 2, 4, 8] and g.width == 4
+    ids, lens, tables = pad_decode_rows([3, 4, 5], [20, 2, 33], [[1, 2], [3], [4, 5, 6]], 4, 10)
+    host = AttentionMetadata.host_inputs([1] * 4, lens, tables, 16, g.width)
+    host["ids"] = torch.tensor(ids)
+    views = Staging("cpu").upload([host[k] for k in INPUT_NAMES], out=g.static)
+    expected = g.views(4)
+    for name, view in zip(INPUT_NAMES, views):
+        assert view.data_ptr() == expected[name].data_ptr() and view.shape == expected[name].shape
+        assert torch.equal(expected[name], host[name].int())
+    g._fill_padding(2)  # capture's inputs: padding rows only
+    assert g.views(2)["slot_mapping"].tolist() == [160, 160]
+    assert g.views(2)["query_start_loc"].tolist() == [0, 1, 2]
