@@ -11,6 +11,7 @@ prompt or completion text.
 | ray_fairbatch_tpot_seconds | histogram | tenant, replica | ingress |
 | ray_fairbatch_e2e_latency_seconds | histogram | tenant, finish_reason | ingress |
 | ray_fairbatch_requests_total | counter | tenant, finish_reason | ingress |
+| ray_fairbatch_requests_timed_out_total | counter | tenant, stage (queue, running) | both |
 | ray_fairbatch_tokens_total | counter | tenant, kind | ingress |
 | ray_fairbatch_rejections_total | counter | tenant | ingress |
 | ray_fairbatch_queue_depth | gauge | replica ("controller") | both |
@@ -41,6 +42,7 @@ class Metrics:
     tpot: Any
     e2e: Any
     requests: Any
+    timed_out: Any
     tokens: Any
     rejections: Any
     queue_depth: Any
@@ -96,6 +98,11 @@ def _make() -> Metrics:
             "fairbatch_requests_total",
             description="Requests that ended, by how they ended.",
             tag_keys=("tenant", "finish_reason"),
+        ),
+        timed_out=Counter(
+            "fairbatch_requests_timed_out_total",
+            description="Requests ended past their deadline, by stage (queue: before a token).",
+            tag_keys=("tenant", "stage"),
         ),
         tokens=Counter(
             "fairbatch_tokens_total",

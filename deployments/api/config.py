@@ -18,6 +18,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from fairbatch.engine.sampling_params import MAX_DEADLINE_S
+
 SHA256_HEX = r"^[0-9a-fA-F]{64}$"
 NAME = r"^[A-Za-z0-9_.\-]+$"  # tenant and prefix-cache group names
 
@@ -40,7 +42,13 @@ class TenantConfig(_Strict):
     weight: float = Field(default=1.0, gt=0, le=1e6)  # share under weighted fair scheduling
     priority: int = Field(default=0, ge=-1000, le=1000)  # higher = more important
     tokens_per_minute: float | None = Field(default=None, gt=0)  # None = unlimited
+    # fraction of each replica's GPU KV blocks kept for this tenant: its blocks up to it are
+    # never preempted for another tenant, and its cached prefixes are evicted last
+    kv_share: float | None = Field(default=None, gt=0, le=1)
     max_requests: int | None = Field(default=None, ge=1)  # in flight; None = limits' default
+    # deadlines for requests that set none (`timeout`, `max_queue_time_s`), in seconds
+    default_timeout_s: float | None = Field(default=None, gt=0, le=MAX_DEADLINE_S)
+    max_queue_time_s: float | None = Field(default=None, gt=0, le=MAX_DEADLINE_S)
     # Tenants naming the same group share prefix-cache blocks, so each can time the others'
     # prompts (a hit is faster): opt in only between tenants that trust each other. None: the
     # tenant's own cache, shared with nobody.
@@ -118,6 +126,9 @@ class AppConfig(_Strict):
         if self.allow_anonymous is None:
             keyed = any(t.api_key_sha256 is not None for t in self.tenants)
             object.__setattr__(self, "allow_anonymous", not keyed)
+        shares = sum(t.kv_share or 0.0 for t in self.tenants)
+        if shares > 1 + 1e-9:
+            raise ValueError(f"tenants: kv_share values sum to {shares:g}, more than 1")
         names: set[str] = set()
         digests: set[str] = set()
         for i, t in enumerate(self.tenants):

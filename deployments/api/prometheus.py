@@ -4,7 +4,8 @@ The names are those of the Ray metrics in `fairbatch.deployments.metrics` (witho
 prefix), summed over replicas, so there is no `replica` label here:
 
 * recorded by this app as requests end (the ingress sees them): `fairbatch_requests_total`
-  {tenant, finish_reason}, `fairbatch_tokens_total` {tenant, kind = prompt | completion},
+  {tenant, finish_reason}, `fairbatch_requests_timed_out_total` {tenant, stage = queue (no
+  token yet) | running}, `fairbatch_tokens_total` {tenant, kind = prompt | completion},
   `fairbatch_ttft_seconds` {tenant}, `fairbatch_tpot_seconds` {tenant},
   `fairbatch_e2e_latency_seconds` {tenant, finish_reason};
 * read at scrape time: `fairbatch_rejections_total` {tenant} (the tenant registry), and from
@@ -14,9 +15,9 @@ prefix), summed over replicas, so there is no `replica` label here:
   `fairbatch_prefix_hit_tokens_total`, `fairbatch_tenant_service_tokens` {tenant},
   `fairbatch_tenant_virtual_counter` {tenant}, and on a cluster `fairbatch_migrations_total`.
 
-`finish_reason` is the engine's ("stop", "length", "abort", "error") or "client_gone" for a
-request whose client left first. Each app has its own `CollectorRegistry` (never the global
-one), so many apps can live in one process.
+`finish_reason` is the engine's ("stop", "length", "timeout", "abort", "error") or
+"client_gone" for a request whose client left first. Each app has its own `CollectorRegistry`
+(never the global one), so many apps can live in one process.
 """
 
 from __future__ import annotations
@@ -48,6 +49,12 @@ class ApiMetrics:
             "fairbatch_requests_total",
             "Requests that ended, by how they ended.",
             ("tenant", "finish_reason"),
+            registry=reg,
+        )
+        self.timed_out = Counter(
+            "fairbatch_requests_timed_out_total",
+            "Requests that ended past their deadline, by stage (queue: before a token).",
+            ("tenant", "stage"),
             registry=reg,
         )
         self.tokens = Counter(
@@ -97,6 +104,9 @@ class ApiMetrics:
         tenant = ticket.tenant.name
         reason = (ticket.finish_reason or "stop") if outcome == "ok" else outcome
         self.requests.labels(tenant, reason).inc()
+        if reason == "timeout":
+            stage = "running" if ticket.completion_tokens else "queue"
+            self.timed_out.labels(tenant, stage).inc()
         self.tokens.labels(tenant, "prompt").inc(ticket.prompt_tokens)
         self.tokens.labels(tenant, "completion").inc(ticket.completion_tokens)
         start = ticket.meta.get("t_start")

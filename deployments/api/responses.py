@@ -147,6 +147,9 @@ class ResponseRun:
                 reason = d.finish_reason
                 break
         err = self.outcome_error(reason)
+        if reason == "timeout" and not self.ticket.completion_tokens:
+            msg = "the request's deadline passed before it produced a token"
+            err = ApiError(408, msg, type="timeout_error", param="timeout", code="request_timeout")
         if err is not None:
             self.outcome = reason or "error"
             raise err

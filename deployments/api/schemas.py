@@ -6,7 +6,8 @@ clients send more than we know). Fields that take several shapes (`prompt`, `sto
 `content`) are checked by hand so their errors read plainly.
 
 Extensions beyond OpenAI, as vLLM names them: `top_k`, `min_p`, `repetition_penalty`,
-`ignore_eos`. Only one completion per request (`n` = 1).
+`ignore_eos`; and deadlines, in seconds from arrival: `timeout` (the request ends with finish
+reason "timeout", with what it produced) and `max_queue_time_s` (until it is first scheduled).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from fairbatch.engine.sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams
+from fairbatch.engine.sampling_params import MAX_DEADLINE_S, MAX_LOGPROBS, MAX_N, SamplingParams
 
 INT64_MIN, UINT64_END = -(2**63), 2**64
 
@@ -90,6 +91,9 @@ class _SamplingFields(_Body):
     ignore_eos: bool = False
     user: str | None = None  # OpenAI's end-user id for abuse tracking: accepted, never logged
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
+    # deadlines in seconds from arrival (None: the tenant's default, see TenantConfig)
+    timeout: float | None = Field(default=None, gt=0, le=MAX_DEADLINE_S)
+    max_queue_time_s: float | None = Field(default=None, gt=0, le=MAX_DEADLINE_S)
 
     def logit_bias_ids(self, vocab: int) -> dict[int, float] | None:
         """The bias as {token id: value}, values clamped to [-100, 100] (as OpenAI does)."""
@@ -137,7 +141,9 @@ class _SamplingFields(_Body):
         *,
         vocab: int,
         prompt_logprobs: int | None = None,
+        deadlines: tuple[float | None, float | None] = (None, None),
     ):
+        """`deadlines`: the tenant's (timeout, max_queue_time_s), for fields left unset."""
         temperature = 1.0 if self.temperature is None else self.temperature
         bias = self.logit_bias_ids(vocab)
         try:
@@ -159,6 +165,10 @@ class _SamplingFields(_Body):
                 prompt_logprobs=prompt_logprobs,
                 logit_bias=bias,
                 n=self.n or 1,
+                timeout=deadlines[0] if self.timeout is None else self.timeout,
+                max_queue_time_s=deadlines[1]
+                if self.max_queue_time_s is None
+                else self.max_queue_time_s,
             )
         except ValueError as e:  # every range is checked above; this is a last line
             raise bad_request(str(e)) from None
@@ -298,10 +308,11 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
 
 
 def finish_reason(reason: str | None) -> str | None:
-    """Engine reasons -> OpenAI's: "stop" (EOS, stop token or string) or "length"."""
+    """Engine reasons -> OpenAI's: "stop" (EOS, stop token or string) or "length"; and
+    "timeout" (an extension: the request's deadline passed)."""
     if reason is None:
         return None
-    return "length" if reason == "length" else "stop"
+    return reason if reason in ("length", "timeout") else "stop"
 
 
 def model_card(name: str, created: int, max_model_len: int) -> dict:

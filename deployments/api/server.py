@@ -413,7 +413,12 @@ def create_app(
             requested = 1 if body.max_tokens == 0 else body.max_tokens
             max_tokens = api.max_tokens(len(ids), requested, COMPLETION_DEFAULT_MAX_TOKENS)
             params = body.sampling_params(
-                max_tokens, body.logprobs, stop, vocab=vocab, prompt_logprobs=prompt_top
+                max_tokens,
+                body.logprobs,
+                stop,
+                vocab=vocab,
+                prompt_logprobs=prompt_top,
+                deadlines=tenant.deadlines,
             )
             params = with_grammar(params, grammar)
             jobs.append((prompt if isinstance(prompt, str) else None, ids, params))
@@ -462,7 +467,9 @@ def create_app(
         max_tokens = api.max_tokens(len(ids), requested, api.limits.default_max_tokens)
         stop = body.stop_list(api.limits.max_stop_sequences)
         top_n = (body.top_logprobs or 0) if body.logprobs else None
-        params = body.sampling_params(max_tokens, top_n, stop, vocab=api.tokenizer.vocab_size)
+        params = body.sampling_params(
+            max_tokens, top_n, stop, vocab=api.tokenizer.vocab_size, deadlines=tenant.deadlines
+        )
         plan = await chat_plan(body)  # response_format, tools
         params = with_grammar(params, plan.grammar)
         runs = [

@@ -58,6 +58,8 @@ class TenantState:
     tokens_per_minute: float | None = None
     max_requests: int | None = None
     prefix_cache_group: str | None = None  # tenants of one group share prefix-cache blocks
+    # (timeout, max_queue_time_s) of requests that set none, in seconds (None: no deadline)
+    deadlines: tuple[float | None, float | None] = (None, None)
     key_digest: str | None = field(default=None, repr=False)
     bucket: TokenBucket | None = field(default=None, repr=False)
     in_flight: int = 0
@@ -153,6 +155,7 @@ class TenantRegistry:
             None,
             t.max_requests,
             prefix_cache_group=t.prefix_cache_group,
+            deadlines=(t.default_timeout_s, t.max_queue_time_s),
             key_digest=t.api_key_sha256,
         )
         self.tenants[t.name] = state

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -135,6 +136,7 @@ class ClusterClient:
             prefix_hashes=self.prefix_hashes(list(prompt_ids), cache_salt or tenant),
             fork_of=fork_of,
         )
+        meta.set_deadlines(time.time())  # absolute: resubmissions keep them
         delivered: list[int] = []
         sent: set[str] = set()  # the FIRST_ONLY fields the caller has had
         resubmits = 0
@@ -150,6 +152,10 @@ class ClusterClient:
                     await self._abandon(rid, None)
                     finished = True
                     yield StreamItem([], "", True, "error", error=f"admission failed: {e!r}")
+                    return
+                if assignment.finish_reason is not None:  # its queue deadline passed
+                    finished = True
+                    yield StreamItem([], "", True, assignment.finish_reason)
                     return
                 replica_id, handle = assignment.replica_id, assignment.replica
                 self._where[rid] = handle

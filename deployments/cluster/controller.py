@@ -25,6 +25,7 @@ import ray
 from fairbatch.deployments.cluster.fairness import (
     Assign,
     ControllerConfig,
+    Expire,
     FairnessCore,
     Migrate,
     Preempt,
@@ -139,6 +140,7 @@ class Controller:
         last_reconcile = time.monotonic()
         while True:
             await asyncio.sleep(self.silent_after_s / 5)
+            self._apply(self.core.expire())  # queue deadlines pass between events too
             now = time.monotonic()
             for rid, seen in list(self._last_report.items()):
                 if now - seen > self.silent_after_s and rid in self.handles:
@@ -280,6 +282,15 @@ class Controller:
                 rid = action.ticket.request_id
                 handle = self.handles.get(action.replica_id)
                 assignment = Assignment(rid, action.replica_id, handle)
+                fut = self._waiters.pop(rid, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(assignment)
+                subscriber = self._owner.pop(rid, None)
+                if subscriber is not None:
+                    self._outbox(subscriber).put_nowait(assignment)
+            elif isinstance(action, Expire):  # dropped from the queue: the caller ends it
+                rid = action.ticket.request_id
+                assignment = Assignment(rid, "", None, finish_reason=action.finish_reason)
                 fut = self._waiters.pop(rid, None)
                 if fut is not None and not fut.done():
                     fut.set_result(assignment)

@@ -28,7 +28,9 @@ is refunded when its replica reports it ended.
 
 from __future__ import annotations
 
+import heapq
 import itertools
+import math
 import random
 import time
 from collections.abc import Callable
@@ -45,6 +47,7 @@ from fairbatch.deployments.cluster.tickets import (
     ROUTINGS,
     Assign,
     ControllerConfig,
+    Expire,
     Migrate,
     Preempt,
     Ticket,
@@ -57,6 +60,7 @@ __all__ = [
     "ROUTINGS",
     "Assign",
     "ControllerConfig",
+    "Expire",
     "FairnessCore",
     "Migrate",
     "Preempt",
@@ -71,9 +75,13 @@ class FairnessCore:
         config: ControllerConfig,
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
+        wall: Callable[[], float] = time.time,
     ) -> None:
         self.config = config
         self.clock = clock
+        self.wall = wall  # the clock of RequestMeta's deadlines (wall-clock time)
+        self._expiring: list[tuple[float, int, Ticket]] = []  # queued tickets with a deadline
+        self.timed_out: dict[str, int] = {}  # tenant -> tickets dropped past a deadline
         self.rng = rng or random.Random(0)
         kw = dict(config.policy_kwargs)
         if config.policy == "priority":
@@ -136,6 +144,7 @@ class FairnessCore:
         t = Ticket(meta, rid, meta.tenant, meta.priority)
         t.seq = next(self._seq)
         self.tickets[rid] = t
+        self._watch_deadline(t)
         if not self._queued_routing:
             r = self.placement.route_baseline(t)
             if r is None:
@@ -190,11 +199,44 @@ class FairnessCore:
         t = self.tickets.get(request_id)
         return None if t is None else t.replica
 
+    # ---- deadlines --------------------------------------------------------------------------
+
+    def _watch_deadline(self, t: Ticket) -> None:
+        """Take the request's wall-clock deadlines into this core's clock (before it is queued:
+        under order_within_tenant=edf the policy orders by them)."""
+        meta = t.meta
+        offset = self.clock() - self.wall()
+        if meta.deadline is not None:
+            t.deadline = meta.deadline + offset
+        if meta.queue_deadline is not None:
+            t.queue_deadline = meta.queue_deadline + offset
+        when = min(t.deadline, t.queue_deadline)
+        if when != math.inf:
+            heapq.heappush(self._expiring, (when, t.seq, t))
+
+    def expire(self) -> list[Expire]:
+        """Drop the queued tickets past their deadline (the caller tells their clients). An
+        assigned one is its replica's to end: replicas enforce deadlines themselves."""
+        expired: list[Expire] = []
+        heap = self._expiring
+        now = self.clock() if heap else 0.0
+        while heap and heap[0][0] <= now:
+            t = heapq.heappop(heap)[2]
+            if self.tickets.get(t.request_id) is not t or t.replica is not None:
+                continue  # gone, or assigned
+            if self.policy.remove(t):
+                self._unqueued(t)
+            self._forget(t)
+            self.timed_out[t.tenant] = self.timed_out.get(t.tenant, 0) + 1
+            expired.append(Expire(t))
+        return expired
+
     # ---- dispatch ---------------------------------------------------------------------------
 
     def dispatch(self) -> list:
-        """Hand out free slots: displaced requests first, then the global queue in fair order."""
-        actions: list = []
+        """Hand out free slots: displaced requests first, then the global queue in fair order.
+        Queued tickets past their deadline leave first (`Expire`), never assigned."""
+        actions: list = self.expire()
         placement = self.placement
         if not self._queued_routing:
             while (t := self.policy.peek()) is not None:

@@ -124,6 +124,8 @@ class ClusterController(Controller):
                 for tenant, value in core.policy.service().items():
                     m.tenant_service.set(value, tags={"tenant": tenant})
                 deltas.inc(m.migrations, core.num_migrations, {})
+                for tenant, n in core.timed_out.items():
+                    deltas.inc(m.timed_out, n, {"tenant": tenant, "stage": "queue"})
             except Exception as e:  # metrics never take the controller down
                 log.debug("controller metrics failed: %r", e)
             await asyncio.sleep(self.metrics_interval_s)
@@ -177,6 +179,7 @@ class ClusterReplica(Replica):
             "kv_usage": (total - kv.num_free_blocks) / total if total else 0.0,
             "preemptions": dict(s.num_preemptions),
             "swapped_bytes": {k: v * block_bytes for k, v in s.num_swapped_blocks.items()},
+            "timed_out": dict(self.core.timed_out),
         }
 
     async def _metrics_loop(self) -> None:
@@ -194,6 +197,8 @@ class ClusterReplica(Replica):
                     deltas.inc(m.preemptions, n, {**tag, "mode": mode})
                 for direction, n in snap["swapped_bytes"].items():
                     deltas.inc(m.swapped_bytes, n, {**tag, "direction": direction})
+                for (tenant, stage), n in snap["timed_out"].items():
+                    deltas.inc(m.timed_out, n, {"tenant": tenant, "stage": stage})
             except Exception as e:
                 log.debug("replica metrics failed: %r", e)
             await asyncio.sleep(self.metrics_interval_s)

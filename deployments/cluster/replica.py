@@ -62,6 +62,7 @@ class ReplicaConfig:
     max_model_len: int = 1024
     policy: str = "priority"  # the local queue's order
     tenants: list[TenantSpec] = field(default_factory=list)
+    policy_kwargs: dict = field(default_factory=dict)  # e.g. dlpm's quantum
     preemption_mode: str = "auto"
     # sim only: the modelled hardware, and real seconds slept per virtual second of step time
     # (0 = unpaced; 1 = as slow as the modelled GPU)
@@ -94,7 +95,8 @@ def build_core(cfg: ReplicaConfig) -> EngineCore:
             kv_bytes_per_token=shape.kv_bytes_per_token,
         )
         kv = KVCacheManager(cfg.num_gpu_blocks, cfg.block_size, cfg.num_cpu_blocks)
-        return EngineCore(Scheduler(sched_cfg, kv, make_policy(cfg.policy, cfg.tenants)), runner)
+        policy = make_policy(cfg.policy, cfg.tenants, **cfg.policy_kwargs)
+        return EngineCore(Scheduler(sched_cfg, kv, policy), runner)
     import torch
 
     from fairbatch.engine.llm import build_engine
@@ -113,6 +115,7 @@ def build_core(cfg: ReplicaConfig) -> EngineCore:
         preemption_mode=cfg.preemption_mode,
         policy=cfg.policy,
         tenants=cfg.tenants,
+        policy_kwargs=cfg.policy_kwargs,
     )
 
 
@@ -201,6 +204,7 @@ class Replica:
                     priority=meta.priority,
                     cache_salt=meta.cache_salt,
                     fork_of=meta.fork_of,  # not here (or gone): it runs on its own
+                    deadlines=(meta.deadline, meta.queue_deadline),  # the ingress' originals
                 )
             meta_row = (meta.tenant, meta.priority, meta.params.max_tokens)
             batch.append((i, rid, meta_row, len(meta.output_ids), add))
@@ -246,7 +250,7 @@ class Replica:
         for token in meta.output_ids:
             request.append_output_token(token)
         request.num_prompt_charged = request.num_prompt_tokens  # charged on the first replica
-        return MigratedRequest(request)
+        return MigratedRequest(request, None, {"deadlines": (meta.deadline, meta.queue_deadline)})
 
     async def _add_all(self, box: Outbox, batch: list[tuple]) -> list[str | None]:
         """Add a batch of requests in one trip to the engine thread; why each was refused,

@@ -5,6 +5,7 @@ carry out. Plain Python, no Ray (`fairness.py` re-exports all of it).
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -66,6 +67,8 @@ class Ticket:
         "preempted",
         "max_tokens",
         "locality",
+        "deadline",
+        "queue_deadline",
     )
 
     def __init__(self, meta: RequestMeta | None, request_id: str, tenant: str, priority: int):
@@ -82,6 +85,17 @@ class Ticket:
         self.preempted = False  # displaced by coordinated preemption, not yet running again
         self.max_tokens = 0 if meta is None else meta.params.max_tokens  # decode tokens prepaid
         self.locality = 0.0  # d2lpm: weighted tokens charged to its replica's tenant deficit
+        # in the controller's clock (inf: none): a queued ticket leaves at the earlier one
+        self.deadline = math.inf
+        self.queue_deadline = math.inf
+
+
+@dataclass
+class Expire:
+    """A queued ticket's deadline passed: it leaves with `finish_reason`, never assigned."""
+
+    ticket: Ticket
+    finish_reason: str = "timeout"
 
 
 @dataclass

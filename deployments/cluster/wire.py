@@ -29,6 +29,17 @@ class RequestMeta:
     # sample i >= 1 of the prompt of request `fork_of` (n > 1): sent to that request's replica
     # when it has room, where it shares the prompt's KV blocks; its prompt is not charged
     fork_of: str | None = None
+    # Absolute wall-clock deadlines (time.time(); None: none), set once where the request
+    # arrives: a resubmission or a move keeps them (each process turns them into its own clock)
+    deadline: float | None = None  # the request ends with "timeout"
+    queue_deadline: float | None = None  # ... unless it was first scheduled by this one
+
+    def set_deadlines(self, now: float) -> None:
+        """Fix the deadlines from the params' relative `timeout` / `max_queue_time_s`."""
+        params = self.params
+        self.deadline = None if params.timeout is None else now + params.timeout
+        queue = params.max_queue_time_s
+        self.queue_deadline = None if queue is None else now + queue
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -79,6 +90,9 @@ class Assignment:
     request_id: str
     replica_id: str
     replica: Any  # actor handle
+    # set when the request left the controller's queue without a replica: "timeout" (its
+    # queue deadline passed); the caller ends its stream with it
+    finish_reason: str | None = None
 
 
 @dataclass

@@ -40,7 +40,7 @@ from fairbatch.deployments.api.http import close_stream
 from fairbatch.deployments.api.schemas import ApiError
 from fairbatch.deployments.api.tenants import Admission, Rejected
 from fairbatch.deployments.cluster.wire import FIRST_ONLY
-from fairbatch.engine.sampling_params import SamplingParams
+from fairbatch.engine.sampling_params import MAX_DEADLINE_S, SamplingParams
 
 log = logging.getLogger("fairbatch.api")
 
@@ -77,6 +77,10 @@ class GenerateRequest(BaseModel):
     prompt_logprobs: int | None = None  # a log-prob record per prompt token, with the top-k
     stop: list[str] | str | None = None
     ignore_eos: bool = False
+    # deadlines in seconds from the call (None: the tenant's default); past one the request
+    # ends with finish_reason "timeout" and the tokens it produced
+    timeout: float | None = Field(default=None, gt=0, le=MAX_DEADLINE_S)
+    max_queue_time_s: float | None = Field(default=None, gt=0, le=MAX_DEADLINE_S)
 
     @model_validator(mode="after")
     def _one_prompt(self) -> GenerateRequest:
@@ -155,6 +159,10 @@ class HandleApi:
             prompt_logprobs=req.prompt_logprobs,
             stop=req.stop,
             ignore_eos=req.ignore_eos,
+            timeout=tenant.deadlines[0] if req.timeout is None else req.timeout,
+            max_queue_time_s=tenant.deadlines[1]
+            if req.max_queue_time_s is None
+            else req.max_queue_time_s,
         )
         ticket = self._admit(api, tenant, req, len(ids))
         priority = tenant.priority if req.priority is None else req.priority
