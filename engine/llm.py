@@ -92,6 +92,7 @@ def build_engine(
     preemption_mode: str = "auto",
     policy: str = "fcfs",
     tenants: list[TenantSpec] | None = None,
+    policy_kwargs: dict[str, Any] | None = None,
     seed: int = 0,
     enforce_eager: bool = False,
 ) -> EngineCore:
@@ -150,7 +151,10 @@ def build_engine(
         kv_bytes_per_token=layout.bytes_per_token,
     )
     kv = KVCacheManager(num_gpu_blocks, block_size, num_cpu_blocks, enable_prefix_caching)
-    scheduler = Scheduler(sched_cfg, kv, make_policy(policy, tenants or ()))
+    # (tenants' kv_share reach the KV manager through the policy: Scheduler.__init__)
+    scheduler = Scheduler(
+        sched_cfg, kv, make_policy(policy, tenants or (), **(policy_kwargs or {}))
+    )
     use_graphs = dev.type == "cuda" and backend.supports_cuda_graphs and not enforce_eager
     cache = CacheEngine(layout, num_gpu_blocks, num_cpu_blocks, dev, pad_block=use_graphs)
     gen = torch.Generator(device=dev).manual_seed(seed)

@@ -47,6 +47,16 @@ def _check_dataclass_kwargs(cls: type, kwargs: dict[str, Any], what: str) -> dic
     return kwargs
 
 
+def _check_policy(kwargs: dict[str, Any], default: str, what: str) -> None:
+    """`policy` and `policy_kwargs` (e.g. dlpm's quantum) must build a policy."""
+    from fairbatch.policies import make_policy
+
+    try:
+        make_policy(kwargs.get("policy", default), (), **kwargs.get("policy_kwargs", {}))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{what}.policy / policy_kwargs: {e}") from None
+
+
 class ServeAppConfig(AppConfig):
     """`AppConfig` plus the cluster behind the ingress.
 
@@ -81,7 +91,9 @@ class ServeAppConfig(AppConfig):
     def _controller(cls, v: dict[str, Any]) -> dict[str, Any]:
         from fairbatch.deployments.cluster.fairness import ControllerConfig
 
-        return _check_dataclass_kwargs(ControllerConfig, v, "controller")
+        v = _check_dataclass_kwargs(ControllerConfig, v, "controller")
+        _check_policy(v, "priority", "controller")
+        return v
 
     @model_validator(mode="after")
     def _engine(self) -> ServeAppConfig:
@@ -101,6 +113,7 @@ class ServeAppConfig(AppConfig):
             _check_dataclass_kwargs(ReplicaConfig, engine, "engine")
         except ValueError as e:
             raise ValueError(f"engine: {e}") from None
+        _check_policy(engine, "priority", "engine")
         object.__setattr__(self, "engine", engine)
         return self
 
@@ -121,12 +134,21 @@ class ServeAppConfig(AppConfig):
 
             kw["sim_vocab"] = Tokenizer.tiny().vocab_size
         kw.update(self.engine)
-        return ReplicaConfig(engine=self.model, **kw)
+        return ReplicaConfig(engine=self.model, tenants=self.tenant_specs(), **kw)
 
     def controller_config(self) -> Any:
         from fairbatch.deployments.cluster.fairness import ControllerConfig
 
-        return ControllerConfig(**self.controller)
+        return ControllerConfig(tenants=self.tenant_specs(), **self.controller)
+
+    def tenant_specs(self) -> list[Any]:
+        """The configured tenants as the policies (and KV shares) take them."""
+        from fairbatch.policies import TenantSpec
+
+        return [
+            TenantSpec(t.name, weight=t.weight, priority=t.priority, kv_share=t.kv_share)
+            for t in self.tenants
+        ]
 
 
 def read_args_file(path: str | Path) -> dict[str, Any]:

@@ -130,3 +130,41 @@ def test_shares_must_sum_to_at_most_one():
         Scheduler(SchedulerConfig(max_model_len=40), kv, make_policy("fcfs", specs))
     kv.set_kv_shares({"a": 0.6, "b": 0.4})
     assert (kv.reserve("a"), kv.reserve("b"), kv.reserve("c")) == (6, 4, 0)
+
+
+def test_app_config_and_llm_take_kv_shares_and_policy_kwargs():
+    from fairbatch.deployments.api.config import ConfigError
+    from fairbatch.deployments.serve.app import parse_app_args
+    from fairbatch.engine.llm import LLM
+
+    cfg = parse_app_args(
+        {
+            "model": "sim",
+            "tenants": [{"name": "a", "kv_share": 0.5}, {"name": "b", "weight": 2}],
+            "engine": {"policy": "dlpm", "policy_kwargs": {"quantum": 1024}},
+            "controller": {"routing": "d2lpm", "policy": "dlpm"},
+        }
+    )
+    assert [(t.name, t.weight, t.kv_share) for t in cfg.replica_config().tenants] == [
+        ("a", 1.0, 0.5),
+        ("b", 2.0, None),
+    ]
+    assert cfg.controller_config().routing == "d2lpm"
+    bad = [
+        {"tenants": [{"name": "a", "kv_share": 0.7}, {"name": "b", "kv_share": 0.5}]},
+        {"tenants": [{"name": "a", "kv_share": 1.5}]},
+        {"engine": {"policy": "dlpm", "policy_kwargs": {"quantum": -1}}},
+        {"controller": {"policy": "dlpm", "policy_kwargs": {"nope": 1}}},
+    ]
+    for args in bad:
+        with pytest.raises(ConfigError):
+            parse_app_args({"model": "sim", **args})
+    llm = LLM(
+        "tiny",
+        policy="dlpm",
+        policy_kwargs={"quantum": 512},
+        tenants=[TenantSpec("a", kv_share=0.5)],
+        num_gpu_blocks=64,
+    )
+    assert llm.engine.scheduler.kv.reserve("a") == 32
+    assert llm.engine.scheduler.policy.quantum == 512.0
