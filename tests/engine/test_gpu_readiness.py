@@ -189,3 +189,17 @@ def test_staged_decode_inputs_land_in_the_graph_views():
     g._fill_padding(2)  # capture's inputs: padding rows only
     assert g.views(2)["slot_mapping"].tolist() == [160, 160]
     assert g.views(2)["query_start_loc"].tolist() == [0, 1, 2]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA exit")
+def test_gpu_check_fails_fast_without_cuda(tmp_path):
+    import subprocess
+    from pathlib import Path
+
+    from fairbatch.benchmarks import gpu_check
+
+    assert gpu_check.main(["--out", str(tmp_path / "r.json")]) == 2
+    assert not (tmp_path / "r.json").exists()
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    assert gpu_check.llama_1b_config().num_hidden_layers == 16
