@@ -48,6 +48,11 @@ def _bench_cluster(args: argparse.Namespace) -> int:
     from fairbatch.benchmarks import cluster_bench
 
     systems = args.systems.split(",") if args.systems else None
+    if args.workload == "shared_prefix":
+        from fairbatch.benchmarks import locality_bench
+
+        locality_bench.main(args.json, args.replicas, systems, args.duration)
+        return 0
     cluster_bench.main(
         args.json,
         replicas=args.replicas,
@@ -294,6 +299,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     clu.add_argument("--systems", help="comma-separated subset of fairbatch,rr_local_wfq,p2c_fcfs")
     clu.add_argument("--duration", type=float, default=12.0, help="virtual seconds per run")
+    clu.add_argument(
+        "--workload",
+        choices=["uniform", "shared_prefix"],
+        default="uniform",
+        help="shared_prefix: tenants reusing long system prompts; systems fcfs, weighted_fair, "
+        "lpm, dlpm, prefix_affinity, d2lpm (benchmarks/locality_bench.py)",
+    )
     clu.add_argument(
         "--ray",
         action="store_true",

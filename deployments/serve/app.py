@@ -134,21 +134,19 @@ class ServeAppConfig(AppConfig):
 
             kw["sim_vocab"] = Tokenizer.tiny().vocab_size
         kw.update(self.engine)
-        return ReplicaConfig(engine=self.model, tenants=self.tenant_specs(), **kw)
+        return ReplicaConfig(engine=self.model, tenants=self.kv_share_specs(), **kw)
 
     def controller_config(self) -> Any:
         from fairbatch.deployments.cluster.fairness import ControllerConfig
 
-        return ControllerConfig(tenants=self.tenant_specs(), **self.controller)
+        return ControllerConfig(**self.controller)
 
-    def tenant_specs(self) -> list[Any]:
-        """The configured tenants as the policies (and KV shares) take them."""
+    def kv_share_specs(self) -> list[Any]:
+        """The tenants with a kv_share, for the replicas' engines (set when they are built, so
+        a changed share starts a new cluster; weights and priorities are pushed at start)."""
         from fairbatch.policies import TenantSpec
 
-        return [
-            TenantSpec(t.name, weight=t.weight, priority=t.priority, kv_share=t.kv_share)
-            for t in self.tenants
-        ]
+        return [TenantSpec(t.name, kv_share=t.kv_share) for t in self.tenants if t.kv_share]
 
 
 def read_args_file(path: str | Path) -> dict[str, Any]:

@@ -145,10 +145,7 @@ def test_app_config_and_llm_take_kv_shares_and_policy_kwargs():
             "controller": {"routing": "d2lpm", "policy": "dlpm"},
         }
     )
-    assert [(t.name, t.weight, t.kv_share) for t in cfg.replica_config().tenants] == [
-        ("a", 1.0, 0.5),
-        ("b", 2.0, None),
-    ]
+    assert [(t.name, t.kv_share) for t in cfg.replica_config().tenants] == [("a", 0.5)]
     assert cfg.controller_config().routing == "d2lpm"
     bad = [
         {"tenants": [{"name": "a", "kv_share": 0.7}, {"name": "b", "kv_share": 0.5}]},

@@ -1,0 +1,201 @@
+"""`fairbatch bench cluster --workload shared_prefix`: locality-aware fairness on sim replicas.
+
+Four tenants (weights 1, 1, 2, 4) each reuse their own long system prompts (several per
+tenant, more than a replica's cache holds) with a short unique question, closed loop, all
+backlogged; tenants pick their prompts with different skews (the hot one reuses one prompt
+most of the time). The same one-process loop as cluster_bench.py (the controller is the real
+`FairnessCore`; replicas are EngineCores on the simulated runner, virtual time).
+
+Systems (global policy / routing, the replicas' local policy the same as the global one):
+fcfs, weighted_fair, lpm, dlpm with "fair" routing (least loaded + prefix affinity);
+prefix_affinity (weighted fair, every request routed at once to the longest cached prefix);
+d2lpm (dlpm over the cluster, d2lpm routing). Per system: output tok/s (virtual), prefix-hit
+rate (prompt tokens served from cache), per-tenant TTFT p50/p99, Jain over service / weight,
+max weighted service difference after the warm-up and, for the fair policies, its bound.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import random
+import time
+
+from fairbatch.benchmarks.cluster_bench import SimReplica, Workload, pct, service
+from fairbatch.deployments.cluster.fairness import Assign, ControllerConfig, FairnessCore
+from fairbatch.deployments.cluster.wire import RequestMeta
+from fairbatch.engine.sampling_params import SamplingParams
+from fairbatch.kv.block_pool import hash_block
+from fairbatch.policies import TenantSpec
+from fairbatch.policies.dlpm import DEFAULT_QUANTUM
+
+SYSTEMS = {  # name -> (controller settings, local policy)
+    "fcfs": (dict(routing="fair", policy="fcfs"), "fcfs"),
+    "weighted_fair": (dict(routing="fair", policy="weighted_fair"), "weighted_fair"),
+    "lpm": (dict(routing="fair", policy="lpm"), "lpm"),
+    "dlpm": (dict(routing="fair", policy="dlpm"), "dlpm"),
+    "prefix_affinity": (dict(routing="prefix_affinity", policy="weighted_fair"), "weighted_fair"),
+    "d2lpm": (dict(routing="d2lpm", policy="dlpm"), "dlpm"),
+}
+# name, weight, system prompts, the share of requests going to its first (hot) prompt
+TENANTS = (("t1", 1.0, 6, 0.2), ("t2", 1.0, 6, 0.5), ("t3", 2.0, 6, 0.3), ("t4", 4.0, 6, 0.8))
+PROMPT, QUESTION, OUT = 1024, 32, 32  # system prompt, unique question, output tokens
+AFFINITY_BLOCKS = 64
+
+
+def workload(duration_s: float) -> Workload:
+    # 512 blocks of 16 per replica: about 7 of the 24 system prompts fit
+    return Workload(
+        tenants=tuple((n, w, PROMPT + QUESTION, OUT) for n, w, _, _ in TENANTS),
+        duration_s=duration_s,
+        warmup_s=min(2.0, duration_s / 3),
+        num_gpu_blocks=512,
+        outstanding_per_slot=1.25,
+    )
+
+
+def run_one(num_replicas: int, system: str, duration_s: float, seed: int = 0) -> dict:
+    wl = workload(duration_s)
+    ctrl_kw, local = SYSTEMS[system]
+    specs = [TenantSpec(n, weight=w) for n, w, _, _ in TENANTS]
+    core = FairnessCore(ControllerConfig(tenants=specs, **ctrl_kw), rng=random.Random(seed))
+    replicas = {f"r{i}": SimReplica(f"r{i}", wl, local, specs) for i in range(num_replicas)}
+    rng = random.Random(seed)
+    prompts = {
+        n: [[rng.randrange(1, 32000) for _ in range(PROMPT)] for _ in range(k)]
+        for n, _, k, _ in TENANTS
+    }
+    hot = {n: h for n, _, _, h in TENANTS}
+    weights = {n: w for n, w, _, _ in TENANTS}
+    submitted: dict[str, float] = {}
+    tenant_of: dict[str, str] = {}
+    ttft: dict[str, list[float]] = {n: [] for n in weights}
+    out_tokens = 0
+    prompt_tokens = 0
+    ids = iter(range(1 << 62))
+    now = 0.0
+
+    def apply(actions: list) -> None:
+        nonlocal prompt_tokens
+        for a in actions:
+            if isinstance(a, Assign):
+                t, meta = a.ticket, a.ticket.meta
+                rep = replicas[a.replica_id]
+                rep.core.add_request(
+                    meta.prompt_ids,
+                    meta.params,
+                    request_id=t.request_id,
+                    tenant=t.tenant,
+                    cache_salt=t.tenant,
+                )
+                rep.runner.idle_until(now)
+                prompt_tokens += len(meta.prompt_ids)
+
+    def submit(tenant: str) -> None:
+        rid = f"q{next(ids)}"
+        pick = 0 if rng.random() < hot[tenant] else rng.randrange(len(prompts[tenant]))
+        prompt = prompts[tenant][pick] + [rng.randrange(1, 32000) for _ in range(QUESTION)]
+        hashes, parent = [], None
+        for i in range(min(len(prompt) // wl.block_size, AFFINITY_BLOCKS)):
+            parent = hash_block(parent, prompt[i * 16 : (i + 1) * 16], tenant)
+            hashes.append(parent)
+        params = SamplingParams(max_tokens=OUT, ignore_eos=True)
+        meta = RequestMeta(rid, prompt, params, tenant, cache_salt=tenant, prefix_hashes=hashes)
+        submitted[rid], tenant_of[rid] = now, tenant
+        apply(core.submit(meta))
+
+    for r in replicas.values():
+        core.report(r.report())
+    slots = num_replicas * (wl.max_num_seqs + ControllerConfig().local_queue)
+    per_tenant = int(wl.outstanding_per_slot * slots) + 1
+    for _ in range(per_tenant):
+        for n in weights:
+            submit(n)
+    heap = [(0.0, i, r) for i, r in enumerate(replicas.values())]
+    start_service, start_hits, start_out, start_prompt = None, 0, 0, 0
+    max_diff, reports = 0.0, 0
+    wall0 = time.perf_counter()
+    while heap:
+        clock, i, r = heapq.heappop(heap)
+        now = clock
+        if now > duration_s:
+            break
+        if now >= r.next_report:
+            r.next_report = now + wl.report_interval_s
+            rep = r.report()
+            reports += 1
+            if reports % 5 == 1:  # the cached hashes, now and then (as replicas do)
+                rep.prefix_hashes = list(r.core.scheduler.kv.gpu_pool.cached)[-4096:]
+            apply(core.report(rep))
+            if now >= wl.warmup_s:
+                svc = service(replicas)
+                if start_service is None:
+                    start_service, start_out, start_prompt = svc, out_tokens, prompt_tokens
+                    start_hits = sum(
+                        x.core.scheduler.num_prefix_hit_tokens for x in replicas.values()
+                    )
+                norm = [(svc.get(n, 0) - start_service.get(n, 0)) / weights[n] for n in weights]
+                max_diff = max(max_diff, max(norm) - min(norm))
+        if r.core.has_unfinished():
+            for d in r.core.step():
+                out_tokens += len(d.token_ids)
+                rid = d.request_id
+                if rid in submitted and d.token_ids:
+                    ttft[tenant_of[rid]].append(now - submitted.pop(rid))
+                if d.finished:
+                    r.finished.append((rid, OUT))
+                    submit(tenant_of.pop(rid))
+            heapq.heappush(heap, (max(r.runner.clock, now + 1e-6), i, r))
+        else:
+            r.runner.idle_until(now + wl.report_interval_s)
+            heapq.heappush(heap, (r.runner.clock, i, r))
+    svc = service(replicas)
+    base = start_service or {}
+    norm = [max(0.0, svc.get(n, 0) - base.get(n, 0)) / weights[n] for n in weights]
+    jain = sum(norm) ** 2 / (len(norm) * sum(x * x for x in norm)) if any(norm) else 0.0
+    hits = sum(x.core.scheduler.num_prefix_hit_tokens for x in replicas.values()) - start_hits
+    window = duration_s - wl.warmup_s
+    # bounds on |service_i/w_i - service_j/w_j| over the window: VTC's (cluster_bench.py) for
+    # weighted_fair, 2B of policies/dlpm.py for dlpm (S: the cluster's slots)
+    seats = num_replicas * wl.max_num_seqs
+    req = 1.0 * (PROMPT + QUESTION) + 2.0 * OUT
+    bound = {
+        "weighted_fair": 2
+        * max(1.0 * (PROMPT + QUESTION), 2.0 * seats * (PROMPT + QUESTION + OUT)),
+        "dlpm": 2 * (DEFAULT_QUANTUM + slots * req / min(weights.values())),
+    }.get(ctrl_kw["policy"])
+    return {
+        "system": system,
+        "workload": "shared_prefix",
+        "replicas": num_replicas,
+        "throughput_tok_s": (out_tokens - start_out) / window,
+        "prefix_hit_rate": hits / max(1, prompt_tokens - start_prompt),
+        "ttft_s": {
+            n: {"p50": round(pct(v, 50), 3), "p99": round(pct(v, 99), 3)} for n, v in ttft.items()
+        },
+        "worst_ttft_p99_s": max(pct(v, 99) for v in ttft.values()),
+        "jain": jain,
+        "max_service_diff": max_diff,
+        "bound": bound,
+        "virtual_s": duration_s,
+        "wall_s": round(time.perf_counter() - wall0, 1),
+    }
+
+
+def main(json_path: str | None, replicas=(16,), systems=None, duration_s: float = 6.0) -> list:
+    rows = []
+    for n in replicas:
+        for system in systems or list(SYSTEMS):
+            row = run_one(n, system, duration_s)
+            rows.append(row)
+            print(
+                f"N={n} {system:15s} tok/s={row['throughput_tok_s']:8.0f} "
+                f"hit={row['prefix_hit_rate']:.3f} worst_p99={row['worst_ttft_p99_s']:.2f}s "
+                f"jain={row['jain']:.3f} diff={row['max_service_diff']:.0f} "
+                f"bound={row['bound']} wall={row['wall_s']}s",
+                flush=True,
+            )
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(rows, f, indent=2)
+    return rows
