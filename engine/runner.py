@@ -5,9 +5,9 @@ block copies, swap copies -> flattened batch -> one forward -> logits of the row
 
 On CUDA the step's integer inputs reach the device in one non-blocking copy from a pinned
 buffer (engine/staging.py), decode-only steps replay a captured CUDA graph when the runner has
-them (engine/cuda_graphs.py), and the only host sync is the sampler handing back the tokens;
-forward time is taken with CUDA events, read once they have completed. On CPU a step is
-built as plain tensors.
+them (engine/cuda_graphs.py), and the runner itself never waits for the device: the host
+waits when the sampler hands back the tokens; forward time is taken with CUDA events, read
+once they have completed. On CPU a step is built as plain tensors.
 """
 
 from __future__ import annotations
