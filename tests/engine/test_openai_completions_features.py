@@ -224,3 +224,17 @@ def test_n_with_a_prompt_list_and_chat_and_streams(served, ref):
         for ch in chunk.choices:
             streamed[ch.index] += ch.delta.content or ""
     assert streamed == [ch.message.content for ch in chat.choices]
+
+
+def test_langchain_completions_llm_batch_and_generate(served, ref):
+    """LangChain's completions LLM sends up to 20 prompts per request at its defaults."""
+    lc = pytest.importorskip("langchain_openai")
+    _, url, _ = served
+    llm = lc.OpenAI(
+        base_url=url + "/v1", api_key=KEY, model=MODEL, max_tokens=5, temperature=0,
+        max_retries=0,
+    )  # fmt: skip
+    want = [greedy(ref, p, 5).text for p in PROMPTS[:3]]
+    assert llm.batch(PROMPTS[:3]) == want
+    result = llm.generate(PROMPTS[:2])
+    assert [g[0].text for g in result.generations] == want[:2]
