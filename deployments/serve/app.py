@@ -68,6 +68,10 @@ class ServeAppConfig(AppConfig):
     * `num_replicas`: replica actors (one GPU each); "auto" = the GPUs in the cluster at
       deploy time (at least 1).
     * `controller`: `ControllerConfig` settings (routing, policy, preemption, ...).
+    * `autoscaling`: `AutoscalingConfig` settings (min_replicas, max_replicas,
+      target_queued_tokens_per_replica, target_kv_usage, upscale_delay_s, downscale_delay_s,
+      ...); the controller then sizes the replica set, starting from `num_replicas` clamped to
+      [min_replicas, max_replicas] ("auto": min_replicas). None: a fixed set.
     """
 
     engine: dict[str, Any] | str = Field(default_factory=dict)  # type: ignore[assignment]
@@ -78,6 +82,7 @@ class ServeAppConfig(AppConfig):
     startup_timeout_s: float = Field(default=600.0, gt=0)  # cluster up (models loaded)
     request_timeout_s: float = Field(default=300.0, gt=0)  # admission wait, and between tokens
     metrics_interval_s: float = Field(default=1.0, ge=0)  # gauges refresh; 0 = no metrics
+    autoscaling: dict[str, Any] | None = None
 
     @field_validator("num_replicas")
     @classmethod
@@ -94,6 +99,13 @@ class ServeAppConfig(AppConfig):
         v = _check_dataclass_kwargs(ControllerConfig, v, "controller")
         _check_policy(v, "priority", "controller")
         return v
+
+    @field_validator("autoscaling")
+    @classmethod
+    def _autoscaling(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        from fairbatch.deployments.cluster.autoscaling import AutoscalingConfig
+
+        return None if v is None else _check_dataclass_kwargs(AutoscalingConfig, v, "autoscaling")
 
     @model_validator(mode="after")
     def _engine(self) -> ServeAppConfig:
@@ -140,6 +152,20 @@ class ServeAppConfig(AppConfig):
         from fairbatch.deployments.cluster.fairness import ControllerConfig
 
         return ControllerConfig(**self.controller)
+
+    def autoscaling_config(self) -> Any:
+        from fairbatch.deployments.cluster.autoscaling import AutoscalingConfig
+
+        return None if self.autoscaling is None else AutoscalingConfig(**self.autoscaling)
+
+    def initial_replicas(self) -> int | str:
+        """`num_replicas`, within the autoscaling bounds when there are some."""
+        scaling = self.autoscaling_config()
+        if scaling is None:
+            return self.num_replicas
+        if self.num_replicas == "auto":
+            return scaling.min_replicas
+        return min(max(self.num_replicas, scaling.min_replicas), scaling.max_replicas)
 
     def kv_share_specs(self) -> list[Any]:
         """The tenants with a kv_share, for the replicas' engines (set when they are built, so
