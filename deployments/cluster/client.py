@@ -172,6 +172,9 @@ class ClusterClient:
                             item = queue.get_nowait()
                         if isinstance(item, LinkLost):
                             raise item
+                        if isinstance(item, Moved) and item.replica is None:
+                            _resubmission(meta, delivered, sent)  # requeued by a drain
+                            break
                         if isinstance(item, Moved):
                             link.close(rid)
                             replica_id, handle = item.replica_id, item.replica
@@ -197,10 +200,7 @@ class ClusterClient:
                         yield StreamItem([], "", True, "error", error=f"gave up: {e!r}")
                         return
                     await self._report_failure(replica_id)
-                    meta.output_ids = list(delivered)
-                    meta.attempt += 1
-                    if "prompt_logprobs" in sent:  # the caller has them: not scored again
-                        meta.params = dataclasses.replace(meta.params, prompt_logprobs=None)
+                    _resubmission(meta, delivered, sent)
                 except (RequestRefused, RayTaskError, asyncio.TimeoutError) as e:
                     # a bad request, or a stall
                     await self._abandon(rid, handle)
@@ -276,6 +276,15 @@ class ClusterClient:
                 handle.abort.remote(request_id)
         except Exception:
             pass
+
+
+def _resubmission(meta: RequestMeta, delivered: list[int], sent: set[str]) -> None:
+    """`meta` submitted again: with the tokens the caller has, as a later attempt (its tenant
+    is not charged again), without prompt logprobs once the caller has them."""
+    meta.output_ids = list(delivered)
+    meta.attempt += 1
+    if "prompt_logprobs" in sent:
+        meta.params = dataclasses.replace(meta.params, prompt_logprobs=None)
 
 
 def _pass_once(item: StreamItem, sent: set[str]) -> None:

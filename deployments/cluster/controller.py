@@ -9,7 +9,9 @@ requests each replica holds); callers parked in `admit()` are retried by Ray
 
 Given a `ReplicaSet`, the controller also owns the replicas' lifecycle (`replica_set.py`): it
 creates them (`ensure_replicas`), replaces one it has confirmed dead, and stops them on purpose
-(`retire_replica`, `shutdown_replicas`) without replacing them.
+(`retire_replica`, `shutdown_replicas`) without replacing them. With `ReplicaSet.autoscaling`
+it also sizes the set (`autoscaling.py`): every `interval_s` it adds slots or drains replicas
+(`drain_replica`: no request lost, none replaced).
 """
 
 from __future__ import annotations
@@ -22,6 +24,14 @@ from typing import Any
 
 import ray
 
+from fairbatch.deployments.cluster.autoscaling import (
+    Autoscaler,
+    Requeue,
+    drain_actions,
+    drain_choice,
+    drained,
+    measure,
+)
 from fairbatch.deployments.cluster.fairness import (
     Assign,
     ControllerConfig,
@@ -63,9 +73,17 @@ class Controller:
         self._watchdog: asyncio.Task | None = None
         self._dead: set[str] = set()  # confirmed dead and fenced: their late reports are ignored
         self.supervisor: Supervisor | None = None  # None: replicas are someone else's business
+        self.autoscaler: Autoscaler | None = None
+        self._scaler: asyncio.Task | None = None
+        self.draining: set[str] = set()  # replicas being drained (scale-down)
+        self.num_drained = 0  # drains that ended with nothing left on the replica
+        self.num_drains_cut = 0  # drains that stopped the replica with requests on it
+        self.last_decision = None  # the autoscaler's last Decision
         if replicas is not None:
             launcher = RayLauncher(replicas)
             self.supervisor = Supervisor(replicas, launcher, self._is_up, self._replica_config)
+            if replicas.autoscaling is not None:
+                self.autoscaler = Autoscaler(replicas.autoscaling, len(replicas.replicas))
 
     # ---- clients ----------------------------------------------------------------------------
 
@@ -135,6 +153,8 @@ class Controller:
         """Start the watchdog (lazily: an async actor has no running loop in __init__)."""
         if self._watchdog is None:
             self._watchdog = asyncio.get_running_loop().create_task(self._watch_replicas())
+        if self.autoscaler is not None and self._scaler is None:
+            self._scaler = asyncio.get_running_loop().create_task(self._autoscale_loop())
 
     async def _watch_replicas(self) -> None:
         last_reconcile = time.monotonic()
@@ -228,6 +248,95 @@ class Controller:
             except Exception as e:  # GCS slow: what was in service is stopped anyway
                 log.warning("stopping the replica set: %r", e)
         return len(handles)
+
+    # ---- autoscaling ------------------------------------------------------------------------
+
+    async def _autoscale_loop(self) -> None:
+        assert self.autoscaler is not None
+        while True:
+            await asyncio.sleep(self.autoscaler.config.interval_s)
+            try:
+                self._scale()
+            except Exception as e:  # never let a bad decision stop the loop
+                log.warning("autoscaling failed: %r", e)
+
+    def _scale(self) -> None:
+        """One decision: add slots up to the count the policy wants (their replicas get work
+        once they report), or retire slots still starting, then drain the replicas with the
+        fewest running tokens."""
+        sup, scaler = self.supervisor, self.autoscaler
+        if sup is None or scaler is None or sup.stopping:
+            return
+        decision = scaler.observe(measure(self.core, self.draining))
+        self.last_decision = decision
+        up = [rid for rid in self.handles if self._is_up(rid) and rid not in self.draining]
+        starting = sup.starting()
+        have = len(up) + len(starting)
+        if decision.replicas > have:
+            for _ in range(decision.replicas - have):
+                log.info("autoscaling: adding %s (%s)", sup.add_slot(), decision)
+        elif decision.replicas < have:
+            extra = have - decision.replicas
+            for sid in starting[-extra:]:
+                sup.retire(sid)
+            for rid in drain_choice(self.core, up, extra - min(extra, len(starting))):
+                log.info("autoscaling: draining %s (%s)", rid, decision)
+                self.draining.add(rid)
+                self._spawn(self.drain_replica(rid))
+
+    async def drain_replica(self, replica_id: str, timeout_s: float | None = None) -> bool:
+        """Scale-down without loss: the replica takes no new work, its running requests
+        migrate to other replicas, its waiting ones go back to the queue (`drain_actions`,
+        repeated until it holds nothing and has sent every item); then it is stopped, not
+        replaced. A drain cut short (the replica died, or `timeout_s` passed) leaves the rest
+        to the clients' resubmission, as after a death. True when nothing was left."""
+        handle = self.handles.get(replica_id)
+        if handle is None:
+            self.draining.discard(replica_id)
+            return False
+        self.draining.add(replica_id)
+        if self.supervisor is not None:
+            self.supervisor.retire(replica_id)  # not replaced, even if it dies now
+        if timeout_s is None:
+            scaling = self.autoscaler.config if self.autoscaler is not None else None
+            timeout_s = scaling.drain_timeout_s if scaling is not None else 120.0
+        deadline = time.monotonic() + timeout_s
+        clean = False
+        try:
+            while self.handles.get(replica_id) is handle and time.monotonic() < deadline:
+                actions = drain_actions(self.core, replica_id)
+                for a in actions:
+                    if isinstance(a, Requeue):
+                        self._spawn(self._requeue(handle, a))
+                self._apply([a for a in actions if not isinstance(a, Requeue)])
+                if drained(self.core, replica_id) and await self._replica_drained(handle):
+                    clean = True
+                    break
+                await asyncio.sleep(0.1)
+        finally:
+            self.draining.discard(replica_id)
+            if self.handles.get(replica_id) is handle:
+                self._drop(replica_id, handle)
+        if clean:
+            self.num_drained += 1
+        else:
+            self.num_drains_cut += 1
+        return clean
+
+    async def _requeue(self, handle: Any, action: Requeue) -> None:
+        try:
+            await asyncio.wait_for(handle.requeue.remote(action.request_id), timeout=30.0)
+        except Exception as e:  # the replica died: its client resubmits anyway
+            log.info("requeue %s: %r", action.request_id, e)
+
+    @staticmethod
+    async def _replica_drained(handle: Any) -> bool:
+        try:
+            return bool(await asyncio.wait_for(handle.drained.remote(), timeout=5.0))
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            return False
 
     def _is_up(self, replica_id: str) -> bool:
         r = self.core.replicas.get(replica_id)
@@ -334,6 +443,15 @@ class Controller:
         s["incarnation"] = self.incarnation
         if self.supervisor is not None:
             s["replica_set"] = self.supervisor.stats()
+        if self.autoscaler is not None:
+            d = self.last_decision
+            s["autoscaling"] = {
+                "replicas": self.autoscaler.current,
+                "draining": sorted(self.draining),
+                "drained": self.num_drained,
+                "drains_cut": self.num_drains_cut,
+                "last_decision": None if d is None else vars(d),
+            }
         return s
 
     async def replica_handles(self) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from typing import Any
 
 import ray
 
+from fairbatch.deployments.cluster.autoscaling import AutoscalingConfig
 from fairbatch.deployments.cluster.fairness import ControllerConfig
 from fairbatch.deployments.cluster.managed import ClusterController, ClusterReplica
 from fairbatch.deployments.cluster.replica import ReplicaConfig
@@ -41,15 +42,17 @@ class ClusterSpec:
     controller: ControllerConfig = field(default_factory=ControllerConfig)
     num_gpus_per_replica: float = 1.0
     metrics_interval_s: float = 1.0
+    autoscaling: AutoscalingConfig | None = None  # None: `replicas` is the cluster, fixed
 
     def cluster_id(self) -> str:
-        body = repr(
-            (
-                [asdict(r) for r in self.replicas],
-                asdict(self.controller),
-                self.num_gpus_per_replica,
-            )
+        settings: tuple = (
+            [asdict(r) for r in self.replicas],
+            asdict(self.controller),
+            self.num_gpus_per_replica,
         )
+        if self.autoscaling is not None:
+            settings += (asdict(self.autoscaling),)
+        body = repr(settings)
         return f"{self.name}-{hashlib.sha256(body.encode()).hexdigest()[:8]}"
 
     def replica_set(self, timeout_s: float) -> ReplicaSet:
@@ -64,6 +67,7 @@ class ClusterSpec:
             namespace=NAMESPACE,
             num_gpus=self.num_gpus_per_replica,
             start_timeout_s=timeout_s,
+            autoscaling=self.autoscaling,
         )
 
 
@@ -159,6 +163,7 @@ def start_cluster(
     *,
     ready_timeout_s: float = 120.0,
     metrics_interval_s: float = 0.0,
+    autoscaling: AutoscalingConfig | None = None,
 ) -> Cluster:
     """`ensure_cluster` from synchronous code: returns once every replica has reported once.
     No metrics by default (drivers and tests need no gauges)."""
@@ -167,6 +172,7 @@ def start_cluster(
         list(replicas),
         controller or ControllerConfig(),
         metrics_interval_s=metrics_interval_s,
+        autoscaling=autoscaling,
     )
     rs = spec.replica_set(ready_timeout_s)
     try:

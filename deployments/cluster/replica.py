@@ -453,6 +453,19 @@ class Replica:
         self._end(request_id, Moved(request_id, dst_id, dst, ref))
         return True
 
+    async def requeue(self, request_id: str) -> bool:
+        """A drain sends a request back to the controller's queue: it stops here, and its
+        stream ends with a `Moved` naming no replica (the client resubmits it with the tokens
+        it has). False if it was not here (it ended meanwhile)."""
+        if request_id not in self._routes or not await self.engine.abort(request_id):
+            return False
+        self._end(request_id, Moved(request_id, "", None, None))
+        return True
+
+    async def drained(self) -> bool:
+        """Nothing held and every item sent: a drain may stop this replica now."""
+        return not self._routes and not any(box.items for box in self._boxes.values())
+
     export_hold_s = 300.0  # how long a migrated request's object stays pinned at its source
 
     def _prune_exports(self) -> None:

@@ -66,6 +66,9 @@ class ReplicaSet:
     backoff_max_s: float = 30.0
     retry_after_s: float = 60.0  # a slot that exhausted its attempts is tried again after
     grace_s: float = 10.0  # after a controller (re)start, replicas have this long to report
+    # an AutoscalingConfig: the controller adds slots (`Supervisor.add_slot`) and drains and
+    # retires replicas within its bounds; None: the slots above are the cluster
+    autoscaling: Any = None
 
     def slot_of(self, replica_id: str) -> str:
         ids = {s.replica_id for s in self.replicas}
@@ -215,6 +218,29 @@ class Supervisor:
         if slot.task is not None:
             slot.task.cancel()
         return True
+
+    def add_slot(self) -> str:
+        """Scale-up: a new slot like the first one (`<base>-r<i>`, the next free index), its
+        replica brought up now. When no node has a free GPU the actor waits for Ray's
+        autoscaler to add one (bounded by `start_timeout_s` per attempt). Returns its id."""
+        first = self.rs.replicas[0]
+        base = first.replica_id.rpartition("-r")[0] or first.replica_id
+        i = len(self.rs.replicas)
+        while f"{base}-r{i}" in self.slots:
+            i += 1
+        spec = ReplicaSpec(f"{base}-r{i}", first.config)
+        self.rs.replicas.append(spec)
+        slot = self.slots[spec.replica_id] = Slot(spec)
+        self._bring_up_soon(slot)
+        return spec.replica_id
+
+    def starting(self) -> list[str]:
+        """Slots being brought up that have no replica in service yet."""
+        return [
+            sid
+            for sid, s in self.slots.items()
+            if s.task is not None and not s.retired and not self._in_service(s)
+        ]
 
     async def ensure(self, timeout_s: float) -> bool:
         """Bring up every slot without a replica in service (also those that gave up) and wait

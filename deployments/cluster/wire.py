@@ -75,11 +75,12 @@ class StreamItem:
 
 @dataclass
 class Moved:
-    """The last item of a stream whose request left for another replica: attach there."""
+    """The last item of a stream whose request left for another replica: attach there. With
+    `replica` None (a drain) it went back to the controller's queue: submit it again."""
 
     request_id: str
     replica_id: str
-    replica: Any  # the destination's actor handle
+    replica: Any  # the destination's actor handle (None: back to the controller's queue)
     migrated: Any  # ObjectRef of the MigratedRequest (K/V as numpy when it was swapped)
 
 

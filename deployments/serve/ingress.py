@@ -76,13 +76,14 @@ class FairbatchIngress(HandleApi):
         self.api_app = create_app(None, cfg)
         tokenizer = load_tokenizer(cfg.model)
         replica_cfg = cfg.replica_config()
-        n = resolve_num_replicas(cfg.num_replicas, cfg.num_gpus_per_replica)
+        n = resolve_num_replicas(cfg.initial_replicas(), cfg.num_gpus_per_replica)
         spec = ClusterSpec(
             name=cfg.cluster_name,
             replicas=[replica_cfg] * n,
             controller=cfg.controller_config(),
             num_gpus_per_replica=cfg.num_gpus_per_replica,
             metrics_interval_s=cfg.metrics_interval_s,
+            autoscaling=cfg.autoscaling_config(),
         )
         log.info("starting or joining cluster %s: %d x %s", spec.cluster_id(), n, cfg.model)
         self.handles = await ensure_cluster(spec, cfg.startup_timeout_s)
