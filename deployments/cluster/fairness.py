@@ -15,7 +15,7 @@ Routing modes:
     prefix of its prompt, then the least loaded one.
   * "d2lpm": the same global queue; the replica is chosen for its prefix match within a
     per-replica, per-tenant deficit and a load slack (placement.py). With policy dlpm (or lpm)
-    the queue's hit lengths are the longest prefix any replica caches.
+    the queue's hit lengths are the longest prefix a replica with room caches (in any routing).
   * "round_robin", "power_of_two", "prefix_affinity" (baselines): no global queue, every request
     is routed at once and waits in its replica's local queue, ordered by that replica's policy.
 
@@ -371,10 +371,10 @@ class FairnessCore:
                 changed = True
         if rep.prefix_hashes is not None:
             self.placement.set_hashes(r, rep.prefix_hashes)
-            if self._reads_hits:
-                self.policy.hits_changed()
         if changed:
             self.placement.touch(r)
+        if self._reads_hits and (changed or rep.prefix_hashes is not None):
+            self.policy.hits_changed()  # hit lengths: cached prefixes where there is room
         self._track_spread()
         return self.dispatch()
 

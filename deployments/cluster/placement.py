@@ -106,6 +106,7 @@ class Placement:
         self._rr = 0
         self._alive: list[ReplicaState] = []  # registration order (baseline routing)
         self.hash_index: dict[bytes, set[str]] = {}  # prefix block hash -> replicas caching it
+        self._roomy: list[ReplicaState] | None = None  # replicas with room (None: recompute)
 
     # ---- the replica table ------------------------------------------------------------------
 
@@ -124,6 +125,7 @@ class Placement:
         if r is None:
             return None
         r.alive = False
+        self._roomy = None
         r.version += 1
         for h in r.hashes:
             holders = self.hash_index.get(h)
@@ -137,6 +139,7 @@ class Placement:
     def touch(self, r: ReplicaState) -> None:
         """Re-index r in the load heap after its load changed."""
         r.version += 1
+        self._roomy = None
         if r.alive:
             heapq.heappush(self._heap, (r.load, r.index, r.version, r))
             if len(self._heap) > 4 * len(self.replicas) + 64:
@@ -201,18 +204,26 @@ class Placement:
         return n
 
     def cached_prefix_tokens(self, t: Ticket) -> int:
-        """Prompt tokens of `t` that some replica caches (the longest leading run of blocks
-        present anywhere): the hit length the controller's dlpm / lpm order reads."""
-        meta = t.meta
-        if meta is None:
+        """Prompt tokens of `t` cached on a replica that has room now (one it could be sent
+        to): the longest leading run of blocks one such replica holds. The hit length the
+        controller's dlpm / lpm order reads. A prefix cached only on full replicas counts for
+        nothing: under load `t` would go elsewhere and miss (an order by hits "anywhere" ranks
+        nearly every request of a hot prompt alike and buys no locality)."""
+        hashes = t.meta.prefix_hashes if t.meta is not None else None
+        if not hashes:
             return 0
-        index, n = self.hash_index, 0
-        for h in meta.prefix_hashes:
-            if h not in index:
+        if self._roomy is None:  # (under load: few or none, so this stays cheap per request)
+            self._roomy = [r for r in self.replicas.values() if r.has_room()]
+        cands = [r for r in self._roomy if hashes[0] in r.hashes]
+        if not cands:
+            return 0
+        block_size, n = cands[0].block_size, 1
+        while n < len(hashes):
+            cands = [r for r in cands if hashes[n] in r.hashes]
+            if not cands:
                 break
             n += 1
-        r = self.least_loaded()
-        return n * (16 if r is None else r.block_size)
+        return n * block_size
 
     def pick_d2lpm(self, t: Ticket) -> ReplicaState | None:
         """d2lpm: the longest match among the replicas locality may use, else the least

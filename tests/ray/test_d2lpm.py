@@ -92,14 +92,37 @@ def test_admission_order_is_the_global_policys_whatever_the_routing():
 
 def test_dlpm_in_the_controller_reads_cached_prefixes_as_hit_lengths():
     core, reps = cluster(names=("r0",), seats=1, local_queue=0, policy="dlpm")
-    core.submit(meta("busy"))  # takes the only seat
-    core.submit(meta("cold", hashes=[b"zz"]))
-    core.submit(meta("hot", hashes=H))
     core.report(reps["r0"](hashes=H))
+    core.submit(meta("cold", hashes=[b"zz"]))  # takes the only seat
+    core.submit(meta("cold2", hashes=[b"zz"]))
+    core.submit(meta("hot", hashes=H))
+    # no replica has room: a cached prefix is a hit only where the request could go
+    assert core.placement.cached_prefix_tokens(core.tickets["hot"]) == 0
+    core.replicas["r0"].slots = 2
+    core.placement.touch(core.replicas["r0"])
     assert core.placement.cached_prefix_tokens(core.tickets["hot"]) == 4 * 16
-    assert core.placement.cached_prefix_tokens(core.tickets["cold"]) == 0
-    actions = core.report(reps["r0"](finished=[("busy", 10)], hashes=H))
+    assert core.placement.cached_prefix_tokens(core.tickets["cold2"]) == 0
+    core.replicas["r0"].slots = 1
+    core.placement.touch(core.replicas["r0"])
+    actions = core.report(reps["r0"](finished=[("cold", 10)], hashes=H))
     assert assigned(actions) == [("hot", "r0")]  # the longer hit first, within credit
+
+
+@pytest.mark.parametrize("routing", ["fair", "d2lpm"])
+def test_the_hit_length_is_the_match_on_the_replicas_with_room(routing):
+    # r0 caches G, r1 caches H; both full. r1 frees a seat: the request whose prefix r1 holds
+    # goes first, though it came later and r0 caches the other one as long a prefix
+    G = [b"g1", b"g2", b"g3", b"g4"]
+    core = FairnessCore(ControllerConfig(routing=routing, policy="dlpm", local_queue=0))
+    reps = {name: Reporter(name, seats=1) for name in ("r0", "r1")}
+    core.report(reps["r0"](hashes=G))
+    core.report(reps["r1"](hashes=H))
+    busy = assigned(core.submit(meta("b0"))) + assigned(core.submit(meta("b1")))
+    assert busy == [("b0", "r0"), ("b1", "r1")]
+    core.submit(meta("on_r0", hashes=G))
+    core.submit(meta("on_r1", hashes=H))
+    where = dict(assigned(core.report(reps["r1"](finished=[("b1", 10)], hashes=H))))
+    assert where == {"on_r1": "r1"}
 
 
 def test_prefix_affinity_routes_at_once_to_the_holder_whatever_its_load():
