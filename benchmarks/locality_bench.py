@@ -12,6 +12,14 @@ prefix_affinity (weighted fair, every request routed at once to the longest cach
 d2lpm (dlpm over the cluster, d2lpm routing). Per system: output tok/s (virtual), prefix-hit
 rate (prompt tokens served from cache), per-tenant TTFT p50/p99, Jain over service / weight,
 max weighted service difference after the warm-up and, for the fair policies, its bound.
+
+Closed loop (the default) keeps every tenant backlogged: it measures throughput and whether the
+bound holds, but the cluster is saturated, so a request leaves the global queue the moment one
+replica frees a slot and the routing never has a choice. The open loop (`load`): Poisson
+arrivals, each tenant at a rate proportional to its weight, `load` x the capacity measured as
+weighted_fair's closed-loop throughput, for TTFT when replicas have room to choose from (the
+workload "shared_prefix_open"). There tenants are not backlogged throughout, so the service
+difference is reported but the bound does not apply.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ from fairbatch.deployments.cluster.wire import RequestMeta
 from fairbatch.engine.sampling_params import SamplingParams
 from fairbatch.kv.block_pool import hash_block
 from fairbatch.policies import TenantSpec
-from fairbatch.policies.dlpm import DEFAULT_QUANTUM
+from fairbatch.policies.dlpm import DEFAULT_QUANTUM, service_diff_bound
 
 SYSTEMS = {  # name -> (controller settings, local policy)
     "fcfs": (dict(routing="fair", policy="fcfs"), "fcfs"),
@@ -54,7 +62,22 @@ def workload(duration_s: float) -> Workload:
     )
 
 
-def run_one(num_replicas: int, system: str, duration_s: float, seed: int = 0) -> dict:
+def poisson_arrivals(rate: float, until_s: float, seed: int = 0) -> list[tuple[float, str]]:
+    """(time, tenant) arrivals up to `until_s`: `rate` requests/s in all, each tenant an
+    independent Poisson process at rate x its weight share."""
+    total = sum(w for _, w, _, _ in TENANTS)
+    out = []
+    for name, w, _, _ in TENANTS:
+        rng, t = random.Random(f"{seed}:{name}"), 0.0
+        while (t := t + rng.expovariate(rate * w / total)) <= until_s:
+            out.append((t, name))
+    return sorted(out)
+
+
+def run_one(
+    num_replicas: int, system: str, duration_s: float, seed: int = 0, rate: float | None = None
+) -> dict:
+    """One system; `rate` (requests/s) makes it open loop, else closed loop."""
     wl = workload(duration_s)
     ctrl_kw, local = SYSTEMS[system]
     specs = [TenantSpec(n, weight=w) for n, w, _, _ in TENANTS]
@@ -107,15 +130,22 @@ def run_one(num_replicas: int, system: str, duration_s: float, seed: int = 0) ->
     for r in replicas.values():
         core.report(r.report())
     slots = num_replicas * (wl.max_num_seqs + ControllerConfig().local_queue)
-    per_tenant = int(wl.outstanding_per_slot * slots) + 1
-    for _ in range(per_tenant):
-        for n in weights:
-            submit(n)
+    arrivals = [] if rate is None else poisson_arrivals(rate, duration_s, seed)
+    if rate is None:
+        for _ in range(int(wl.outstanding_per_slot * slots) + 1):
+            for n in weights:
+                submit(n)
     heap = [(0.0, i, r) for i, r in enumerate(replicas.values())]
+    next_arrival = 0
     start_service, start_hits, start_out, start_prompt = None, 0, 0, 0
     max_diff, reports = 0.0, 0
     wall0 = time.perf_counter()
     while heap:
+        if next_arrival < len(arrivals) and arrivals[next_arrival][0] <= heap[0][0]:
+            now, tenant = arrivals[next_arrival]
+            next_arrival += 1
+            submit(tenant)
+            continue
         clock, i, r = heapq.heappop(heap)
         now = clock
         if now > duration_s:
@@ -144,7 +174,9 @@ def run_one(num_replicas: int, system: str, duration_s: float, seed: int = 0) ->
                     ttft[tenant_of[rid]].append(now - submitted.pop(rid))
                 if d.finished:
                     r.finished.append((rid, OUT))
-                    submit(tenant_of.pop(rid))
+                    tenant = tenant_of.pop(rid)
+                    if rate is None:
+                        submit(tenant)
             heapq.heappush(heap, (max(r.runner.clock, now + 1e-6), i, r))
         else:
             r.runner.idle_until(now + wl.report_interval_s)
@@ -158,15 +190,16 @@ def run_one(num_replicas: int, system: str, duration_s: float, seed: int = 0) ->
     # bounds on |service_i/w_i - service_j/w_j| over the window: VTC's (cluster_bench.py) for
     # weighted_fair, 2B of policies/dlpm.py for dlpm (S: the cluster's slots)
     seats = num_replicas * wl.max_num_seqs
-    req = 1.0 * (PROMPT + QUESTION) + 2.0 * OUT
     bound = {
         "weighted_fair": 2
         * max(1.0 * (PROMPT + QUESTION), 2.0 * seats * (PROMPT + QUESTION + OUT)),
-        "dlpm": 2 * (DEFAULT_QUANTUM + slots * req / min(weights.values())),
+        "dlpm": service_diff_bound(
+            DEFAULT_QUANTUM, slots, PROMPT + QUESTION, OUT, min(weights.values())
+        ),
     }.get(ctrl_kw["policy"])
     return {
         "system": system,
-        "workload": "shared_prefix",
+        "workload": "shared_prefix" if rate is None else "shared_prefix_open",
         "replicas": num_replicas,
         "throughput_tok_s": (out_tokens - start_out) / window,
         "prefix_hit_rate": hits / max(1, prompt_tokens - start_prompt),
@@ -177,25 +210,43 @@ def run_one(num_replicas: int, system: str, duration_s: float, seed: int = 0) ->
         "jain": jain,
         "max_service_diff": max_diff,
         "bound": bound,
+        "rate_rps": rate,
         "virtual_s": duration_s,
         "wall_s": round(time.perf_counter() - wall0, 1),
     }
 
 
-def main(json_path: str | None, replicas=(16,), systems=None, duration_s: float = 6.0) -> list:
+def main(
+    json_path: str | None,
+    replicas=(16,),
+    systems=None,
+    duration_s: float = 6.0,
+    load: float | None = None,
+) -> list:
+    """Closed loop, or with `load` open loop at load x weighted_fair's closed-loop request
+    throughput (measured first, on the same cluster size, and reported as a row)."""
     rows = []
     for n in replicas:
+        rate = None
+        if load is not None:
+            cap = run_one(n, "weighted_fair", duration_s)
+            rows.append(_printed(cap))
+            rate = load * cap["throughput_tok_s"] / OUT
         for system in systems or list(SYSTEMS):
-            row = run_one(n, system, duration_s)
-            rows.append(row)
-            print(
-                f"N={n} {system:15s} tok/s={row['throughput_tok_s']:8.0f} "
-                f"hit={row['prefix_hit_rate']:.3f} worst_p99={row['worst_ttft_p99_s']:.2f}s "
-                f"jain={row['jain']:.3f} diff={row['max_service_diff']:.0f} "
-                f"bound={row['bound']} wall={row['wall_s']}s",
-                flush=True,
-            )
+            rows.append(_printed(run_one(n, system, duration_s, rate=rate)))
     if json_path:
         with open(json_path, "w") as f:
             json.dump(rows, f, indent=2)
     return rows
+
+
+def _printed(row: dict) -> dict:
+    rate = "" if row["rate_rps"] is None else f" rate={row['rate_rps']:.1f}/s"
+    print(
+        f"N={row['replicas']} {row['system']:15s}{rate} tok/s={row['throughput_tok_s']:8.0f} "
+        f"hit={row['prefix_hit_rate']:.3f} worst_p99={row['worst_ttft_p99_s']:.2f}s "
+        f"jain={row['jain']:.3f} diff={row['max_service_diff']:.0f} "
+        f"bound={row['bound']} wall={row['wall_s']}s",
+        flush=True,
+    )
+    return row

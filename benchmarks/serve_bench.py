@@ -256,6 +256,7 @@ def custom_workload(args: Any) -> Workload:
         output_lens=out,
         tenants=tenants,
         shared_prefix=args.shared_prefix,
+        prefix_hot=getattr(args, "prefix_hot", None),  # set by --compare locality
         seed=args.seed,
     )
     info = {
@@ -268,6 +269,7 @@ def custom_workload(args: Any) -> Workload:
         "input_len": str(inp),
         "output_len": str(out),
         "shared_prefix": list(args.shared_prefix) if args.shared_prefix else None,
+        "prefix_hot": getattr(args, "prefix_hot", None),
         "seed": args.seed,
         "tenants": [dataclasses.asdict(t) for t in tenants],
     }
@@ -605,8 +607,8 @@ def check_args(args: Any) -> None:
         raise UsageError(f"--scenario and {flag(custom[0])} exclude each other")
     if args.compare in ("policies", "priority") and custom:
         raise UsageError(f"--compare {args.compare} runs a scenario: drop {flag(custom[0])}")
-    if args.compare == "preemption" and args.scenario:
-        raise UsageError("--compare preemption sends a custom burst: drop --scenario")
+    if args.compare in ("preemption", "locality") and args.scenario:
+        raise UsageError(f"--compare {args.compare} sends a custom workload: drop --scenario")
     if args.capacity and not args.scenario and args.compare not in ("policies", "priority"):
         raise UsageError("--capacity applies to --scenario runs")
     if args.sharegpt and (args.input_len or args.output_len):

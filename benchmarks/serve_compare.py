@@ -14,6 +14,9 @@
 * `serving-path`: one workload offline, through the local HTTP server, through the Ray Serve
   app over HTTP and through its handle API; tokens/s against offline, latency, and CPU per
   output token per process role (`serving_path.py`).
+* `locality`: tenants reusing their own long system prompts on an engine whose KV pool holds
+  part of them, one fresh local server per policy (fcfs, weighted_fair, lpm, dlpm): throughput,
+  prefix-hit rate, per-tenant TTFT, fairness (`serve_locality.py`).
 * `summary`: the engine benchmark (`fairbatch bench engine --json`) and the cluster benchmark
   (`fairbatch bench cluster --json`) from their JSON files, in one table each.
 
@@ -47,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
         "policies": compare_policies,
         "priority": compare_priority,
         "preemption": compare_preemption,
+        "locality": compare_locality,
         "summary": compare_summary,
         "serving-path": compare_serving_path,
     }[args.compare]
@@ -64,6 +68,12 @@ def compare_serving_path(args: argparse.Namespace, result: dict, out: Path) -> s
     from fairbatch.benchmarks import serving_path
 
     return serving_path.run(args, result, out)
+
+
+def compare_locality(args: argparse.Namespace, result: dict, out: Path) -> str:
+    from fairbatch.benchmarks import serve_locality
+
+    return serve_locality.run(args, result, out)
 
 
 def _phase_record(engine: dict | None, phase: dict, wl: B.Workload) -> dict:

@@ -307,6 +307,7 @@ def build_workload(
     output_lens: LengthDist,
     tenants: list[TenantPlan] | None = None,
     shared_prefix: tuple[int, int] | None = None,
+    prefix_hot: dict[str, float] | None = None,
     seed: int = 0,
     start_s: float = 0.0,
     text: TextMaker | None = None,
@@ -321,6 +322,8 @@ def build_workload(
     `prefix_len` tokens, ids "<tenant>/<g>"; each request starts with one of its tenant's,
     chosen by the rng, then a unique suffix of `input_lens` tokens, so
     prompt_len = prefix_len + suffix (as vLLM's random dataset with a prefix does).
+    `prefix_hot`: tenant -> the share of its requests that start with its first system prompt
+    (the others pick uniformly among all of its prompts); default: all uniformly.
     """
     rng = random.Random(seed)
     offsets = arrival_times(num_requests, rate, process, burstiness=burstiness, rng=rng)
@@ -329,8 +332,10 @@ def build_workload(
     by_name = {p.name: p for p in plans}
     maker = text or TextMaker()
     prefixes = prefix_texts(plans, shared_prefix, seed, maker)
+    hot = prefix_hot or {}
+    lens = (input_lens, output_lens)
     return [
-        make_request(i, by_name[name], start_s + t, input_lens, output_lens, prefixes, rng, maker)
+        make_request(i, by_name[name], start_s + t, *lens, prefixes, rng, maker, hot.get(name, 0))
         for i, (t, name) in enumerate(zip(offsets, names))
     ]
 
@@ -376,12 +381,16 @@ def make_request(
     prefixes: dict[str, list[tuple[str, str, int]]],
     rng: random.Random,
     maker: TextMaker,
+    hot: float = 0.0,
 ) -> RequestSpec:
     suffix_len = input_lens.sample(rng)
     max_tokens = output_lens.sample(rng)
     group, prompt, prompt_len = None, maker.make(suffix_len, rng), suffix_len
     if prefixes[plan.name]:
-        group, prefix, prefix_len = rng.choice(prefixes[plan.name])
+        mine = prefixes[plan.name]
+        # (no draw without a hot share: the same seed gives the same requests as before)
+        first = hot > 0 and rng.random() < hot
+        group, prefix, prefix_len = mine[0] if first else rng.choice(mine)
         prompt, prompt_len = prefix + prompt, prefix_len + suffix_len
     return RequestSpec(
         index=index,

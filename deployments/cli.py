@@ -51,7 +51,7 @@ def _bench_cluster(args: argparse.Namespace) -> int:
     if args.workload == "shared_prefix":
         from fairbatch.benchmarks import locality_bench
 
-        locality_bench.main(args.json, args.replicas, systems, args.duration)
+        locality_bench.main(args.json, args.replicas, systems, args.duration, args.load)
         return 0
     cluster_bench.main(
         args.json,
@@ -232,7 +232,8 @@ def _add_bench_serve(bench_sub: argparse._SubParsersAction) -> None:
     g.add_argument("--no-progress", action="store_true")
     g = srv.add_argument_group("comparisons (each in one command)")
     g.add_argument(
-        "--compare", choices=["policies", "priority", "preemption", "summary", "serving-path"]
+        "--compare",
+        choices=["policies", "priority", "preemption", "locality", "summary", "serving-path"],
     )
     g.add_argument(
         "--intervals",
@@ -305,6 +306,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="uniform",
         help="shared_prefix: tenants reusing long system prompts; systems fcfs, weighted_fair, "
         "lpm, dlpm, prefix_affinity, d2lpm (benchmarks/locality_bench.py)",
+    )
+    clu.add_argument(
+        "--load",
+        type=_positive(float),
+        help="shared_prefix: open loop instead, Poisson arrivals at LOAD x weighted_fair's "
+        "closed-loop throughput (e.g. 0.8)",
     )
     clu.add_argument(
         "--ray",

@@ -83,6 +83,21 @@ if TYPE_CHECKING:
 DEFAULT_QUANTUM = 2048.0  # weighted tokens per unit of weight and round (a prompt or two)
 
 
+def service_diff_bound(
+    quantum: float,
+    slots: int,
+    max_prompt: float,
+    max_output: float,
+    min_weight: float,
+    input_weight: float = 1.0,
+    output_weight: float = 2.0,
+) -> float:
+    """2B, B = Q + S * (w_in * P + w_out * D) / w_min (the module doc): the most the weighted
+    services per unit of weight of two backlogged tenants can grow apart over an interval."""
+    per_request = input_weight * max_prompt + output_weight * max_output
+    return 2 * (quantum + slots * per_request / min_weight)
+
+
 def no_hits(request: Request) -> int:
     """The hit length without a prefix cache: nothing is cached."""
     return 0
