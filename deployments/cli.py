@@ -48,6 +48,12 @@ def _bench_cluster(args: argparse.Namespace) -> int:
     from fairbatch.benchmarks import cluster_bench
 
     systems = args.systems.split(",") if args.systems else None
+    if args.autoscale:
+        from fairbatch.benchmarks import autoscale_bench
+
+        duration = args.duration if args.duration != 12.0 else 240.0
+        autoscale_bench.main(args.json, max(args.replicas), duration)
+        return 0
     if args.workload == "shared_prefix":
         from fairbatch.benchmarks import locality_bench
 
@@ -300,6 +306,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     clu.add_argument("--systems", help="comma-separated subset of fairbatch,rr_local_wfq,p2c_fcfs")
     clu.add_argument("--duration", type=float, default=12.0, help="virtual seconds per run")
+    clu.add_argument(
+        "--autoscale",
+        action="store_true",
+        help="instead: a day-shaped load on an autoscaled cluster of up to max(--replicas) "
+        "vs fixed clusters sized for the peak and the mean (--duration default 240)",
+    )
     clu.add_argument(
         "--workload",
         choices=["uniform", "shared_prefix"],
