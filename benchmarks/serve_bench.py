@@ -50,6 +50,7 @@ ADMIN_KEY = "bench-admin"  # the local server's admin key (loopback only, one ru
 DEFAULT_INPUT_LEN, DEFAULT_OUTPUT_LEN = "uniform:32-256", "uniform:16-128"
 DEFAULT_NUM_PROMPTS, DEFAULT_RATE = 64, 4.0
 KV_BLOCK_SIZE = 16  # build_engine's default block size
+SCENARIO_COMPARES = ("policies", "priority", "deadlines")  # comparisons that run a scenario
 CUSTOM_FLAGS = (
     "num_prompts", "rate", "process", "burstiness", "concurrency", "input_len", "output_len",
     "sharegpt", "shared_prefix", "tenants",
@@ -67,6 +68,7 @@ class Target:
     admin_key: str | None = None
     ignore_eos: bool = True
     send_priority: bool = True
+    send_deadlines: bool = True  # the specs' timeout / max_queue_time_s (False: measured only)
     timeout_s: float = 300.0
     progress: bool = True
     server: dict | None = None  # the local server's config (keys left out), None for --url
@@ -116,13 +118,18 @@ def public_config(config: dict) -> dict:
     return out
 
 
-def engine_settings(args: Any, **override: Any) -> dict:
-    eng = {
+def engine_settings(args: Any, *, order_within_tenant: str | None = None, **override: Any) -> dict:
+    """The local server's build_engine settings; `order_within_tenant` (default: the
+    command line's) goes to the policy as a policy kwarg."""
+    eng: dict[str, Any] = {
         "policy": args.policy,
         "max_num_seqs": args.max_num_seqs,
         "num_gpu_blocks": args.num_gpu_blocks or 1024,
         "preemption_mode": args.preemption_mode,
     }
+    within = order_within_tenant or getattr(args, "order_within_tenant", None) or "fcfs"
+    if within != "fcfs":
+        eng["policy_kwargs"] = {"order_within_tenant": within}
     eng.update(override)
     return eng
 
@@ -347,6 +354,7 @@ async def run_phase(
         progress=target.progress,
         ignore_eos=target.ignore_eos,
         send_priority=target.send_priority,
+        send_deadlines=target.send_deadlines,
         deadline_s=deadline_s,
     )
     after = await get_stats(target.url, target.admin_key)
@@ -359,6 +367,7 @@ async def run_phase(
         server_before=before,
         server_after=after,
         max_batch_tokens=batch_tokens(target, specs),
+        window_s=wl.info.get("duration_s"),  # a scenario's arrivals (deadline goodput)
     )
     return {"results": results, "duration_s": duration, "summary": summary}
 
@@ -435,6 +444,7 @@ def request_rows(results: Sequence[RequestResult]) -> list[dict]:
                 "chunks": len(r.chunk_times_s),
                 "finish_reason": r.finish_reason or None,
                 "shared_prefix": s.shared_prefix,
+                "timeout": s.timeout,
             }
         )
     return rows
@@ -605,11 +615,13 @@ def check_args(args: Any) -> None:
         )
     if args.scenario and custom:
         raise UsageError(f"--scenario and {flag(custom[0])} exclude each other")
-    if args.compare in ("policies", "priority") and custom:
+    if args.compare == "deadlines" and args.scenario not in (None, "deadlines"):
+        raise UsageError("--compare deadlines runs the deadlines scenario: drop --scenario")
+    if args.compare in SCENARIO_COMPARES and custom:
         raise UsageError(f"--compare {args.compare} runs a scenario: drop {flag(custom[0])}")
     if args.compare in ("preemption", "locality") and args.scenario:
         raise UsageError(f"--compare {args.compare} sends a custom workload: drop --scenario")
-    if args.capacity and not args.scenario and args.compare not in ("policies", "priority"):
+    if args.capacity and not args.scenario and args.compare not in SCENARIO_COMPARES:
         raise UsageError("--capacity applies to --scenario runs")
     if args.sharegpt and (args.input_len or args.output_len):
         raise UsageError("--sharegpt and --input-len/--output-len exclude each other")

@@ -71,8 +71,11 @@ async def send_one(
     timeout_s: float,
     ignore_eos: bool = True,
     send_priority: bool = True,
+    send_deadlines: bool = True,
 ) -> RequestResult:
     """Stream one completion; never raises (except on cancellation), ends within `timeout_s`.
+    `send_deadlines`: the spec's `timeout` / `max_queue_time_s` go as fairbatch's extension
+    fields (False: they are left out, and only measured against).
 
     Times in the result are `time.perf_counter() - t0`.
     """
@@ -89,6 +92,10 @@ async def send_one(
         body["ignore_eos"] = True
     if send_priority and spec.priority:
         body["priority"] = spec.priority
+    if send_deadlines:
+        for name in ("timeout", "max_queue_time_s"):
+            if getattr(spec, name) is not None:
+                body[name] = getattr(spec, name)
     res.send_s = time.perf_counter() - t0
     try:
         async with asyncio.timeout(timeout_s):
@@ -185,6 +192,7 @@ async def run_requests(
     progress: bool = True,
     ignore_eos: bool = True,
     send_priority: bool = True,
+    send_deadlines: bool = True,
     deadline_s: float | None = None,
 ) -> tuple[list[RequestResult], float]:
     """Send every spec; returns the results (in spec order) and the run's duration.
@@ -221,6 +229,7 @@ async def run_requests(
                 timeout_s=left,
                 ignore_eos=ignore_eos,
                 send_priority=send_priority,
+                send_deadlines=send_deadlines,
             )
             if left < timeout_s and res.error.startswith("timed out"):
                 res.error = CUT_OFF

@@ -11,6 +11,10 @@
 * `preemption`: swap vs recompute vs auto on a memory-tight engine (few KV blocks, so running
   requests must give way): an all-at-once burst, preemptions and swapped bytes from the
   server's /admin/stats, throughput and latency.
+* `deadlines`: the deadlines scenario (2x overload, a timeout and max_queue_time_s per
+  request), one fresh local server each for fcfs, weighted_fair and weighted_fair + edf with
+  the deadlines sent, and for weighted_fair + edf without them (no eviction); goodput within
+  deadline, measured client-side against the same deadlines in every run.
 * `serving-path`: one workload offline, through the local HTTP server, through the Ray Serve
   app over HTTP and through its handle API; tokens/s against offline, latency, and CPU per
   output token per process role (`serving_path.py`).
@@ -34,6 +38,7 @@ import asyncio
 import dataclasses
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +55,7 @@ def run(args: argparse.Namespace) -> int:
         "policies": compare_policies,
         "priority": compare_priority,
         "preemption": compare_preemption,
+        "deadlines": compare_deadlines,
         "locality": compare_locality,
         "summary": compare_summary,
         "serving-path": compare_serving_path,
@@ -93,25 +99,43 @@ def _p(summary_part: dict | None, key: str) -> float | None:
 # ---- policies ---------------------------------------------------------------------------------
 
 
-def compare_policies(args: argparse.Namespace, result: dict, out: Path) -> str:
-    from fairbatch.benchmarks import serve_plots
-
-    name = args.scenario or "vtc_overload"
+def _scenario_runs(
+    args: argparse.Namespace,
+    result: dict,
+    name: str,
+    runs: dict[str, tuple[dict, dict]],
+    max_drain_s: Callable[[B.Workload], float | None] | None = None,
+) -> tuple[B.Workload, dict[str, dict]]:
+    """Scenario `name`, the identical requests to a fresh local server per run: label ->
+    (engine settings, Target fields to set, e.g. send_deadlines). Capacity is calibrated once,
+    on the first server (unless --capacity). `max_drain_s(workload)` (default: --max-drain)
+    bounds each run. Returns the workload and each run's phase, with its "engine"."""
     tenants = B.scenario_tenants(name, args)
-    capacity, wl, phases = args.capacity, None, {}
-    for policy in POLICIES:
-        engine = B.engine_settings(args, policy=policy)
+    capacity, wl, phases, drain = args.capacity, None, {}, args.max_drain
+    for label, (engine, target_fields) in runs.items():
         with B.open_target(args, tenants, engine) as target:
             if capacity is None:
                 capacity = asyncio.run(B.calibrate(target, args.scale, args.max_num_seqs, tenants))
             if wl is None:
                 wl = B.scenario_workload(name, capacity, args)
+                drain = max_drain_s(wl) if max_drain_s else args.max_drain
                 result["meta"].update(model=target.model, server=target.server)
-            phases[policy] = asyncio.run(
-                B.run_phase(target, wl, slo=B.slo_of(args), max_drain_s=args.max_drain)
+                result["workload"] = dict(wl.info, max_drain_s=drain)
+            target = dataclasses.replace(target, **target_fields)
+            phases[label] = asyncio.run(
+                B.run_phase(target, wl, slo=B.slo_of(args), max_drain_s=drain)
             )
-        phases[policy]["engine"] = engine
-    result["workload"] = dict(wl.info, max_drain_s=args.max_drain)
+        phases[label]["engine"] = engine
+    assert wl is not None
+    return wl, phases
+
+
+def compare_policies(args: argparse.Namespace, result: dict, out: Path) -> str:
+    from fairbatch.benchmarks import serve_plots
+
+    name = args.scenario or "vtc_overload"
+    runs = {p: (B.engine_settings(args, policy=p), {}) for p in POLICIES}
+    wl, phases = _scenario_runs(args, result, name, runs)
     result["runs"] = {p: _phase_record(ph["engine"], ph, wl) for p, ph in phases.items()}
     rows = []
     for policy, rec in result["runs"].items():
@@ -202,6 +226,105 @@ def _policies_text(result: dict, name: str) -> str:
         f"capacity {wl['capacity_rps']:.2f} req/s, {result['meta']['date_utc']} UTC"
     )
     return "\n\n".join([head, wl.get("description", ""), table, per_policy])
+
+
+# ---- deadlines --------------------------------------------------------------------------------
+
+DEADLINE_RUNS = (  # label, policy, order_within_tenant, deadlines sent
+    ("fcfs", "fcfs", "fcfs", True),
+    ("weighted_fair", "weighted_fair", "fcfs", True),
+    ("weighted_fair+edf", "weighted_fair", "edf", True),
+    ("weighted_fair+edf, no deadlines sent", "weighted_fair", "edf", False),
+)
+DEADLINE_GOAL = 1.5  # edf with eviction vs the same run without: goodput ratio (issue 18)
+
+
+def _drain_past_deadlines(wl: B.Workload) -> float:
+    """Past the last arrival plus the longest timeout no request can meet its deadline: runs
+    stop there (1 s later) instead of draining a backlog that no longer counts."""
+    return max(s.timeout or 0.0 for s in wl.specs) + 1.0
+
+
+def compare_deadlines(args: argparse.Namespace, result: dict, out: Path) -> str:
+    from fairbatch.benchmarks import serve_plots
+    from fairbatch.benchmarks.serve_metrics import deadline_report
+
+    name = "deadlines"
+    runs = {
+        label: (
+            B.engine_settings(args, policy=policy, order_within_tenant=within),
+            {"send_deadlines": send},
+        )
+        for label, policy, within, send in DEADLINE_RUNS
+    }
+    drain = None if args.max_drain else _drain_past_deadlines
+    wl, phases = _scenario_runs(args, result, name, runs, drain)
+    window = wl.info["duration_s"]
+    result["runs"] = {label: _phase_record(ph["engine"], ph, wl) for label, ph in phases.items()}
+    rows = []
+    for label, policy, within, send in DEADLINE_RUNS:
+        res = phases[label]["results"]
+        dl = deadline_report(res, window)
+        by_tenant = {
+            t.name: deadline_report([r for r in res if r.spec.tenant == t.name], window)
+            for t in wl.tenants
+        }
+        rows.append(
+            {
+                "run": label,
+                "policy": policy,
+                "order_within_tenant": within,
+                "deadlines_sent": send,
+                **{k: dl[k] for k in ("with_deadline", "met", "timed_out", "timed_out_running")},
+                "late": dl["late"],
+                "goodput_rps": dl["goodput_rps"],
+                "goodput_rps_by_tenant": {n: d["goodput_rps"] for n, d in by_tenant.items()},
+                "output_tokens_per_s": phases[label]["summary"]["throughput"][
+                    "output_tokens_per_s"
+                ],
+            }
+        )
+    result["table"] = rows
+    good = {r["run"]: r["goodput_rps"] for r in rows}
+    base = good["weighted_fair+edf, no deadlines sent"]
+    ratio = good["weighted_fair+edf"] / base if base else None
+    result["goal"] = {
+        "edf_vs_no_eviction": ratio,
+        "target": DEADLINE_GOAL,
+        "met": ratio is not None and ratio >= DEADLINE_GOAL,
+    }
+    if not args.no_plots:
+        result["plots"] = [
+            serve_plots.grouped_bars(
+                [r["run"].replace(", ", ",\n") for r in rows],
+                {t.name: [r["goodput_rps_by_tenant"][t.name] for r in rows] for t in wl.tenants},
+                out / "deadlines_goodput.png",
+                title=f"{name}: goodput within deadline per tenant",
+                ylabel="requests / s",
+            )
+        ]
+    table = R.table(
+        ["run", "met / with deadline", "timed out (while running)", "late", "goodput req/s",
+         "output tok/s"],
+        [
+            [r["run"], f"{r['met']} / {r['with_deadline']}",
+             f"{r['timed_out']} ({r['timed_out_running']})", r["late"],
+             f"{r['goodput_rps']:.2f}", R.num(r["output_tokens_per_s"])]
+            for r in rows
+        ],
+    )  # fmt: skip
+    info = result["workload"]
+    head = (
+        f"## deadlines on {name}: {info['num_requests']} requests over {window:g} s, capacity "
+        f"{info['capacity_rps']:.2f} req/s, each run cut off {info['max_drain_s']:g} s after "
+        f"the last arrival, {result['meta']['date_utc']} UTC"
+    )
+    verdict = (
+        "edf with eviction vs without: "
+        + ("-" if ratio is None else f"{ratio:.2f}x")
+        + f" the goodput (goal >= {DEADLINE_GOAL:g}x)"
+    )
+    return "\n\n".join([head, info.get("description", ""), table, verdict])
 
 
 # ---- priority ---------------------------------------------------------------------------------

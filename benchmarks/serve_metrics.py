@@ -132,6 +132,40 @@ def goodput(
     return sum(1 for r in results if r.ok and meets(r)) / duration_s
 
 
+# -- deadlines ---------------------------------------------------------------------------------
+
+
+def met_deadline(r: RequestResult) -> bool:
+    """The request had a `timeout` and completed within it, measured client-side from its
+    send; one the server ended with finish_reason "timeout" never counts."""
+    timeout = r.spec.timeout
+    if timeout is None or not r.ok or r.finish_reason == "timeout":
+        return False
+    return r.e2e_s <= timeout
+
+
+def deadline_report(results: list[RequestResult], window_s: float) -> dict[str, Any]:
+    """Goodput within deadline: requests that met their deadline (`met_deadline`) per second
+    of `window_s`, and the counts behind it: requests sent with a deadline, met, ended by the
+    server with "timeout" (and of those, how many after some tokens: evicted while running,
+    their work lost), and completed but late (past the deadline, not evicted)."""
+    if not window_s > 0:
+        raise ValueError(f"window_s must be > 0, got {window_s}")
+    timed = [r for r in results if r.spec.timeout is not None]
+    met = sum(1 for r in timed if met_deadline(r))
+    timed_out = [r for r in timed if r.ok and r.finish_reason == "timeout"]
+    completed = sum(1 for r in timed if r.ok and r.finish_reason != "timeout")
+    return {
+        "window_s": window_s,
+        "with_deadline": len(timed),
+        "met": met,
+        "timed_out": len(timed_out),
+        "timed_out_running": sum(1 for r in timed_out if output_tokens(r) > 0),
+        "late": completed - met,
+        "goodput_rps": met / window_s,
+    }
+
+
 # -- service and fairness ----------------------------------------------------------------------
 
 
@@ -359,14 +393,16 @@ def summarize_run(
     server_after: dict | None = None,
     step_s: float = 0.1,
     max_batch_tokens: int | None = None,
+    window_s: float | None = None,
 ) -> dict[str, Any]:
     """One JSON-ready dict for a run: "requests" (latency summaries), "throughput", "goodput"
     (with `slo`: keys among ttft_s, tpot_s, e2e_s), "tenants" (tenant_report), "jain_index"
     over the tenants' normalized service (None without tenants), "max_service_difference" and
     "vtc_bound" (for the run's longest prompt, and `max_batch_tokens` or else its longest
     output) with "vtc_bound_m" saying which ("batch" or "longest output": then the bound is a
-    lower estimate, since a batch holds more tokens than one output), and "server"
-    (server_delta; {} when stats are missing)."""
+    lower estimate, since a batch holds more tokens than one output), "server"
+    (server_delta; {} when stats are missing) and, when some request had a deadline,
+    "deadlines" (deadline_report per second of `window_s`, default `duration_s`)."""
     if slo is not None and set(slo) - set(SLO_KEYS):
         raise ValueError(f"unknown SLO keys {sorted(set(slo) - set(SLO_KEYS))}; use {SLO_KEYS}")
     tenants = tenant_report(results, weights, duration_s)
@@ -388,4 +424,6 @@ def summarize_run(
     }
     if slo is not None:
         run["goodput"] = {"slo": dict(slo), "requests_per_s": goodput(results, duration_s, **slo)}
+    if any(r.spec.timeout is not None for r in results):
+        run["deadlines"] = deadline_report(results, window_s or duration_s)
     return run

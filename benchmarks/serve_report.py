@@ -114,6 +114,13 @@ def throughput_line(summary: dict) -> str:
     if good:
         slo = ", ".join(f"{k.removesuffix('_s')} <= {ms(v)} ms" for k, v in good["slo"].items())
         line += f"\ngoodput: {num(good['requests_per_s'], 2)} req/s ({slo})"
+    dl = summary.get("deadlines")
+    if dl:
+        line += (
+            f"\nwithin deadline: {dl['met']} of {dl['with_deadline']} "
+            f"({dl['timed_out']} timed out, {dl['late']} late): "
+            f"{num(dl['goodput_rps'], 2)} req/s over {dl['window_s']:g} s"
+        )
     return line
 
 

@@ -236,3 +236,26 @@ def _shared_prefix(ctx: _Ctx):
     prefix = (2, max(1, round(128 * ctx.scale)))
     plans = [TenantPlan(f"t{k}") for k in range(4)]
     return plans, [r for p in plans for r in ctx.stream(p, 0.2, shared_prefix=prefix)]
+
+
+# Deadlines in units of the time the server takes to finish one request at capacity (1 /
+# capacity_rps): machine-independent, like the loads.
+DEADLINE_UNITS = (32, 96)  # tight, loose: each request gets one of the two, half each
+
+
+@_scenario(
+    "deadlines",
+    "A and B each offer 1x capacity (2x in all); every request has a timeout of 32 or 96 "
+    "requests' time at capacity (half each) and max_queue_time_s half of it",
+    "With deadlines enforced and edf, goodput (requests finished within their deadline per "
+    "second) is >= 1.5x that of the same run without eviction, whose queue grows until most "
+    "requests run after their deadline.",
+)
+def _deadlines(ctx: _Ctx):
+    a, b = TenantPlan("A"), TenantPlan("B")
+    rng = random.Random(f"{ctx.name}:{ctx.seed}:timeouts")
+    requests = []
+    for r in ctx.stream(a, 1.0) + ctx.stream(b, 1.0):
+        timeout = round(rng.choice(DEADLINE_UNITS) / ctx.capacity_rps, 3)
+        requests.append(dataclasses.replace(r, timeout=timeout, max_queue_time_s=timeout / 2))
+    return [a, b], requests

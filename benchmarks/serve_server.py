@@ -55,10 +55,13 @@ async def serve(config_path: str, host: str, port: int, port_file: str | None) -
     import uvicorn
 
     from fairbatch.deployments.api.backend import LocalBackend, create_app
-    from fairbatch.deployments.api.config import load_config
+    from fairbatch.deployments.api.config import ConfigError, load_config
 
     config = load_config(config_path)
-    backend = LocalBackend.build(config.model, **config.engine)
+    try:  # the engine settings are build_engine's keyword arguments (policy_kwargs included)
+        backend = LocalBackend.build(config.model, **config.engine)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"engine: {e}") from None
     app = create_app(backend, config)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -24,6 +24,10 @@ class RequestSpec:
     max_tokens: int  # output length asked for (with ignore_eos where the server supports it)
     priority: int = 0  # sent as the `priority` field (fairbatch; peers may ignore it)
     shared_prefix: str | None = None  # the system-prompt group this prompt starts with, if any
+    # deadlines in seconds from the send (fairbatch's `timeout` / `max_queue_time_s` fields);
+    # goodput within deadline is measured against `timeout` client-side
+    timeout: float | None = None
+    max_queue_time_s: float | None = None
 
 
 @dataclass

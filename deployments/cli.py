@@ -184,11 +184,17 @@ def _add_bench_serve(bench_sub: argparse._SubParsersAction) -> None:
         help="KV blocks of 16 tokens (default 1024; 64 for --compare preemption)",
     )
     g.add_argument("--preemption-mode", choices=["auto", "swap", "recompute"], default="auto")
+    g.add_argument(
+        "--order-within-tenant",
+        choices=["fcfs", "edf"],
+        default="fcfs",
+        help="order of a tenant's own requests: arrival, or earliest deadline first",
+    )
     g = srv.add_argument_group("workload: a named scenario")
     g.add_argument(
         "--scenario",
         help="vtc_overload, vtc_on_off, vtc_length_shift, weighted, "
-        "priority_burst, quota_limited, shared_prefix",
+        "priority_burst, quota_limited, shared_prefix, deadlines",
     )
     g.add_argument("--capacity", type=_positive(float), help="requests/s (default: measured)")
     g.add_argument("--duration", type=_positive(float), default=60.0, help="scenario length, s")
@@ -239,7 +245,15 @@ def _add_bench_serve(bench_sub: argparse._SubParsersAction) -> None:
     g = srv.add_argument_group("comparisons (each in one command)")
     g.add_argument(
         "--compare",
-        choices=["policies", "priority", "preemption", "locality", "summary", "serving-path"],
+        choices=[
+            "policies",
+            "priority",
+            "preemption",
+            "deadlines",
+            "locality",
+            "summary",
+            "serving-path",
+        ],
     )
     g.add_argument(
         "--intervals",

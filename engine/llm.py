@@ -101,9 +101,15 @@ def build_engine(
     weights, the peak activations of a profiled dummy step and what other processes hold
     (engine/memory.py); either way at most the blocks `max_num_seqs` sequences of
     `max_model_len` tokens fill. On CUDA decode steps replay CUDA graphs where the attention
-    backend allows it, unless `enforce_eager`. Settings the backend cannot run fail here."""
+    backend allows it, unless `enforce_eager`. Settings the backend cannot run fail here.
+    `policy_kwargs` go to the policy (e.g. `{"order_within_tenant": "edf"}`, dlpm's
+    `quantum`); a policy they cannot build fails before the model loads."""
     if block_size < 1 or max_num_seqs < 1 or max_num_batched_tokens < 1:
         raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be >= 1")
+    try:
+        queue_policy = make_policy(policy, tenants or (), **(policy_kwargs or {}))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"policy / policy_kwargs: {e}") from None
     dev = torch.device(device)
     m, config, tok, eos = load_model(model, dev, dtype, attn_backend)
     param_dtype = next(m.parameters()).dtype
@@ -152,9 +158,7 @@ def build_engine(
     )
     kv = KVCacheManager(num_gpu_blocks, block_size, num_cpu_blocks, enable_prefix_caching)
     # (tenants' kv_share reach the KV manager through the policy: Scheduler.__init__)
-    scheduler = Scheduler(
-        sched_cfg, kv, make_policy(policy, tenants or (), **(policy_kwargs or {}))
-    )
+    scheduler = Scheduler(sched_cfg, kv, queue_policy)
     use_graphs = dev.type == "cuda" and backend.supports_cuda_graphs and not enforce_eager
     cache = CacheEngine(layout, num_gpu_blocks, num_cpu_blocks, dev, pad_block=use_graphs)
     gen = torch.Generator(device=dev).manual_seed(seed)

@@ -7,6 +7,7 @@ produced nothing. Tenants' defaults apply to requests that set none; bad values 
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
 import openai
@@ -124,3 +125,37 @@ def test_bad_deadlines_are_400s_naming_the_field(url, field, value):
 def test_bad_tenant_deadlines_are_refused_in_the_config(field):
     with pytest.raises(ValidationError, match=field):
         TenantConfig(name="x", **{field: 0})
+
+
+def test_edf_is_a_policy_kwarg_of_llm_the_local_server_and_the_serve_app():
+    from fairbatch.benchmarks.serve_bench import local_config
+    from fairbatch.benchmarks.serve_workload import TenantPlan
+    from fairbatch.deployments.api.config import ConfigError, parse_config
+    from fairbatch.deployments.serve.app import parse_app_args
+    from fairbatch.engine.llm import LLM
+
+    edf = {"order_within_tenant": "edf"}
+    llm = LLM("tiny", policy="weighted_fair", policy_kwargs=edf, num_gpu_blocks=16)
+    assert llm.engine.scheduler.policy.order_within_tenant == "edf"
+    # the local server of `fairbatch bench serve`: its engine mapping is build_engine's kwargs
+    engine = {"policy": "weighted_fair", "policy_kwargs": edf, "num_gpu_blocks": 16}
+    cfg = parse_config(local_config([TenantPlan("a")], engine))
+    backend = LocalBackend.build(cfg.model, **cfg.engine)
+    try:
+        assert backend.engine.engine.scheduler.policy.order_within_tenant == "edf"
+    finally:
+        asyncio.run(backend.shutdown())
+    with pytest.raises(ValueError, match="policy / policy_kwargs: order_within_tenant"):
+        build_engine("no-such-model-dir", policy_kwargs={"order_within_tenant": "sjf"})
+    # the Serve app: replicas and the controller
+    app = parse_app_args(
+        {
+            "model": "sim",
+            "engine": {"policy": "weighted_fair", "policy_kwargs": edf},
+            "controller": {"policy": "weighted_fair", "policy_kwargs": edf},
+        }
+    )
+    assert app.replica_config().policy_kwargs == edf
+    assert app.controller_config().policy_kwargs == edf
+    with pytest.raises(ConfigError, match="order_within_tenant"):
+        parse_app_args({"model": "sim", "engine": {"policy_kwargs": {"order_within_tenant": 1}}})
