@@ -47,12 +47,11 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def autoscaling_ray():
     import ray
-    from ray.cluster_utils import AutoscalingCluster
 
     port = free_port()
     tmp = tempfile.mkdtemp(prefix="fbas-", dir="/tmp")
     gpu_node = {"resources": {"CPU": 1, "GPU": 1}, "node_config": {}, "max_workers": MAX_REPLICAS}
-    config = AutoscalingCluster({"CPU": 2}, {"gpu_node": gpu_node})._config
+    config = fake_multinode_config({"gpu_node": gpu_node}, head_cpus=2)
     config["provider"]["gcs_address"] = f"127.0.0.1:{port}"
     config["idle_timeout_minutes"] = 0.05  # 3 s
     path = os.path.join(tmp, "autoscaling.json")
@@ -67,15 +66,61 @@ def autoscaling_ray():
         yield
     finally:
         ray.shutdown()
-        for pid in session_pids(tmp, port):  # this session's processes only
+        stop_session(tmp, port)
+
+
+def stop_session(tmp: str, port: int, grace_s: float = 10.0) -> None:
+    """SIGTERM this session's processes (only them), then SIGKILL what is left after grace_s."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in session_pids(tmp, port):
             try:
-                os.kill(pid, signal.SIGTERM)
+                os.kill(pid, sig)
             except ProcessLookupError:
                 pass
+        deadline = time.monotonic() + grace_s
+        while session_pids(tmp, port) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    left = session_pids(tmp, port)
+    assert not left, f"processes of the test's Ray session still running: {left}"
+
+
+def fake_multinode_config(worker_types: dict, head_cpus: int) -> dict:
+    """An autoscaling config for Ray's fake multi-node provider (the node provider ships in the
+    wheel; the example YAML `AutoscalingCluster` reads does not, so the config is built here)."""
+    head = {"resources": {"CPU": head_cpus}, "node_config": {}, "max_workers": 0}
+    return {
+        "cluster_name": "fbas",
+        "max_workers": sum(t["max_workers"] for t in worker_types.values()),
+        "provider": {
+            "type": "fake_multinode",
+            "use_node_id_as_ip": True,
+            "disable_node_updaters": True,
+            "disable_launch_config_check": True,
+        },
+        "available_node_types": {"ray.head.default": head, **worker_types},
+        "head_node_type": "ray.head.default",
+        "auth": {},
+        "upscaling_speed": 1.0,
+        "idle_timeout_minutes": 0.1,
+        "docker": {},
+        "initialization_commands": [],
+        "setup_commands": [],
+        "head_setup_commands": [],
+        "worker_setup_commands": [],
+        "head_start_ray_commands": [],
+        "worker_start_ray_commands": [],
+        "file_mounts": {},
+        "cluster_synced_files": [],
+        "file_mounts_sync_continuously": False,
+        "rsync_exclude": [],
+        "rsync_filter": [],
+    }
 
 
 def session_pids(tmp: str, port: int) -> list[int]:
-    out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
+    # -ww: whole command lines (ps cuts them to $COLUMNS otherwise, and the temp dir is late)
+    cmd = ["ps", "-ww", "-eo", "pid=,args="]
+    out = subprocess.run(cmd, capture_output=True, text=True).stdout
     pids = []
     for line in out.splitlines():
         pid, _, args = line.strip().partition(" ")
