@@ -385,27 +385,24 @@ class Controller:
 
     # ---- actions ----------------------------------------------------------------------------
 
+    def _answer(self, rid: str, assignment: Assignment) -> None:
+        """Tell whoever waits for `rid`'s assignment: an admit call, or its subscriber's stream."""
+        fut = self._waiters.pop(rid, None)
+        if fut is not None and not fut.done():
+            fut.set_result(assignment)
+        subscriber = self._owner.pop(rid, None)
+        if subscriber is not None:
+            self._outbox(subscriber).put_nowait(assignment)
+
     def _apply(self, actions: list) -> None:
         for action in actions:
             if isinstance(action, Assign):
                 rid = action.ticket.request_id
                 handle = self.handles.get(action.replica_id)
-                assignment = Assignment(rid, action.replica_id, handle)
-                fut = self._waiters.pop(rid, None)
-                if fut is not None and not fut.done():
-                    fut.set_result(assignment)
-                subscriber = self._owner.pop(rid, None)
-                if subscriber is not None:
-                    self._outbox(subscriber).put_nowait(assignment)
+                self._answer(rid, Assignment(rid, action.replica_id, handle))
             elif isinstance(action, Expire):  # dropped from the queue: the caller ends it
                 rid = action.ticket.request_id
-                assignment = Assignment(rid, "", None, finish_reason=action.finish_reason)
-                fut = self._waiters.pop(rid, None)
-                if fut is not None and not fut.done():
-                    fut.set_result(assignment)
-                subscriber = self._owner.pop(rid, None)
-                if subscriber is not None:
-                    self._outbox(subscriber).put_nowait(assignment)
+                self._answer(rid, Assignment(rid, "", None, finish_reason=action.finish_reason))
             elif isinstance(action, Preempt):
                 handle = self.handles.get(action.replica_id)
                 if handle is not None:
