@@ -57,7 +57,7 @@ def _bench_cluster(args: argparse.Namespace) -> int:
     if args.workload == "shared_prefix":
         from fairbatch.benchmarks import locality_bench
 
-        locality_bench.main(args.json, args.replicas, systems, args.duration, args.load)
+        locality_bench.main(args.json, args.replicas, systems, args.duration, args.load, args.shift)
         return 0
     cluster_bench.main(
         args.json,
@@ -338,6 +338,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive(float),
         help="shared_prefix: open loop instead, Poisson arrivals at LOAD x weighted_fair's "
         "closed-loop throughput (e.g. 0.8)",
+    )
+    clu.add_argument(
+        "--shift",
+        type=_positive(float),
+        help="shared_prefix: at SHIFT virtual seconds each tenant's hot share moves from its "
+        "first system prompt to its second, until then a cold one (a popularity shift)",
     )
     clu.add_argument(
         "--ray",

@@ -21,6 +21,8 @@ Routing modes:
 
 Cost per admission: O(log R) for the replica choice (a heap of loads with lazy deletion), plus
 O(log n) queue work; prefix affinity looks at <= `AFFINITY_PROBES` holders per prompt block.
+Under dlpm / lpm a pick reads the hit length of every queued request: a dict lookup each, the
+prefix match itself done once per distinct prefix until a load or a cache changes (placement.py).
 Counters: a request's prompt and `max_tokens` of output are charged when it is admitted (so a
 burst of admissions between two reports cannot all go to one tenant); what it did not generate
 is refunded when its replica reports it ended.

@@ -107,6 +107,7 @@ class Placement:
         self._alive: list[ReplicaState] = []  # registration order (baseline routing)
         self.hash_index: dict[bytes, set[str]] = {}  # prefix block hash -> replicas caching it
         self._roomy: list[ReplicaState] | None = None  # replicas with room (None: recompute)
+        self._hits: dict[bytes, int] = {}  # cached_prefix_tokens per prefix, while _roomy holds
 
     # ---- the replica table ------------------------------------------------------------------
 
@@ -158,6 +159,7 @@ class Placement:
         for h in new - r.hashes:
             index.setdefault(h, set()).add(r.replica_id)
         r.hashes = new
+        self._roomy = None  # also drops the memoized hit lengths, which read r's cache
 
     # ---- choosing ---------------------------------------------------------------------------
 
@@ -212,9 +214,19 @@ class Placement:
         hashes = t.meta.prefix_hashes if t.meta is not None else None
         if not hashes:
             return 0
-        if self._roomy is None:  # (under load: few or none, so this stays cheap per request)
+        if self._roomy is None:
             self._roomy = [r for r in self.replicas.values() if r.has_room()]
-        cands = [r for r in self._roomy if hashes[0] in r.hashes]
+            self._hits = {}
+        # dlpm's order asks this for every queued request at every pick, and most of them
+        # share a few system prompts: one match per distinct prefix until a load or a cache
+        # changes, not one per request (block hashes are chained, so the last names them all)
+        n = self._hits.get(hashes[-1])
+        if n is None:
+            n = self._hits[hashes[-1]] = self._match_on_roomy(hashes)
+        return n
+
+    def _match_on_roomy(self, hashes: list[bytes]) -> int:
+        cands = [r for r in self._roomy or () if hashes[0] in r.hashes]
         if not cands:
             return 0
         block_size, n = cands[0].block_size, 1

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from fairbatch.deployments.cluster.fairness import ControllerConfig, FairnessCore
+from fairbatch.deployments.cluster.tickets import Ticket
 from fairbatch.policies import TenantSpec
 from tests.ray.test_fairness_core import Reporter, assigned, meta
 
@@ -147,3 +148,41 @@ def test_prefix_affinity_routes_at_once_to_the_holder_whatever_its_load():
 def test_config_is_checked(kw):
     with pytest.raises(ValueError):
         ControllerConfig(**kw)
+
+
+@pytest.mark.parametrize(
+    "routing, expected",
+    [
+        # locality first: every request of the hot prefix joins its one holder's queue
+        ("prefix_affinity", ["r1"] * 8),
+        # r1 is chosen while its load <= the least load + 2; past that the least loaded
+        # replica takes the request (r0, r2, r3 in index order), and r1 again once they caught up
+        ("d2lpm", ["r1", "r1", "r1", "r0", "r2", "r3", "r1", "r0"]),
+    ],
+)
+def test_a_cold_prefix_turning_hot_piles_up_only_under_prefix_affinity(routing, expected):
+    # the popularity shift of benchmarks/locality_bench.py: H was cold, so only r1 caches it;
+    # now a burst of requests for it arrives (none ends meanwhile)
+    core = FairnessCore(ControllerConfig(routing=routing, d2lpm_quantum=1e9))
+    for name in ("r0", "r1", "r2", "r3"):
+        core.report(Reporter(name, seats=4)(hashes=H if name == "r1" else None))
+    got = [assigned(core.submit(meta(f"q{i}", hashes=H)))[0][1] for i in range(8)]
+    assert got == expected
+
+
+def ticket(rid, hashes):
+    m = meta(rid, hashes=hashes)
+    return Ticket(m, rid, m.tenant, m.priority)
+
+
+def test_hit_lengths_are_matched_once_per_prefix_and_follow_caches_and_loads():
+    core, reps = cluster(names=("r0", "r1"), seats=1, local_queue=0, hashes={"r1": H})
+    hits = core.placement.cached_prefix_tokens
+    # requests sharing a prefix share one match; another prefix gets its own
+    assert hits(ticket("x", H)) == hits(ticket("y", H)) == 4 * 16
+    assert hits(ticket("z", H[:2])) == 2 * 16
+    core.report(reps["r1"](hashes=H[:1]))  # r1 evicted most of H
+    assert hits(ticket("x2", H)) == 16
+    core.submit(meta("busy0"))
+    core.submit(meta("busy1"))  # both replicas full: a cached prefix is no hit
+    assert hits(ticket("x3", H)) == 0

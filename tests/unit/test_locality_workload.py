@@ -3,6 +3,9 @@ locality`) and the open-loop variant of the cluster's shared_prefix workload."""
 
 from __future__ import annotations
 
+import json
+import random
+
 from fairbatch.benchmarks import locality_bench as L
 from fairbatch.benchmarks.serve_workload import TenantPlan, build_workload, parse_lengths
 
@@ -48,3 +51,26 @@ def test_the_open_loop_run_serves_what_arrives_below_capacity():
     assert 0 < row["prefix_hit_rate"] <= 1 and 0 < row["jain"] <= 1.0  # (few arrivals: noisy)
     closed = L.run_one(2, "weighted_fair", 1.5)
     assert closed["workload"] == "shared_prefix" and closed["rate_rps"] is None
+
+
+def test_the_popularity_shift_moves_the_hot_share_to_the_second_prompt():
+    rng = random.Random(0)
+    assert {L.pick_prompt(rng, 1.0, 6, shifted=False) for _ in range(50)} == {0}
+    assert {L.pick_prompt(rng, 1.0, 6, shifted=True) for _ in range(50)} == {1}
+    picks = [L.pick_prompt(rng, 0.5, 6, shifted=True) for _ in range(6000)]
+    # 0.5 hot + 0.5 x 1/6 uniform picks of the second prompt; the first gets only its 1/12
+    assert abs(picks.count(1) / len(picks) - 7 / 12) < 0.03
+    assert abs(picks.count(0) / len(picks) - 1 / 12) < 0.02
+    row = L.run_one(2, "d2lpm", 1.5, rate=20.0, shift_s=0.5)
+    assert row["workload"] == "shared_prefix_open_shift" and row["shift_s"] == 0.5
+    assert row["peak_replica_waiting"] >= 0
+
+
+def test_main_writes_the_rows_and_a_ttft_plot(tmp_path):
+    path = tmp_path / "shift.json"
+    rows = L.main(
+        str(path), replicas=(2,), systems=["d2lpm"], duration_s=1.0, load=0.5, shift_s=0.3
+    )
+    assert [r["workload"] for r in rows] == ["shared_prefix", "shared_prefix_open_shift"]
+    assert json.loads(path.read_text()) == rows
+    assert (tmp_path / "shift_ttft_p99.png").stat().st_size > 0
