@@ -145,11 +145,11 @@ def decode_bench(iters: int) -> dict:
     graphs = runner.graphs
     for batch in BATCHES:
         tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
-        ids, lens, rows = [1] * batch, [CONTEXT + 1] * batch, list(range(batch))
+        ids, lens = [1] * batch, [CONTEXT + 1] * batch
 
-        def step(ids=ids, lens=lens, tables=tables, rows=rows):
-            hidden, _ = runner._forward(ids, [1] * len(ids), lens, tables, rows)
-            model.compute_logits(hidden[: len(rows)])
+        def step(ids=ids, lens=lens, tables=tables):
+            hidden, _ = runner._forward(ids, [1] * len(ids), lens, tables, [])
+            model.compute_logits(hidden)
 
         bytes_read = weight_bytes + batch * (CONTEXT + 1) * layout.bytes_per_token
         entry = {"bytes_read": bytes_read}

@@ -36,6 +36,8 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
+from fairbatch.engine.staging import Staging
+
 
 @dataclass
 class AttentionMetadata:
@@ -147,6 +149,17 @@ class AttentionMetadata:
         return meta, inputs["positions"].long()
 
 
+class StepPlan:
+    """A backend's per-step plan, host half: `arrays` (CPU integer tensors) go to the device
+    with the step's other inputs; `attach(meta, views)` then builds the device half from their
+    device views, in order, and keeps it in `meta` for every layer."""
+
+    arrays: list[torch.Tensor]
+
+    def attach(self, meta: AttentionMetadata, views: list[torch.Tensor]) -> None:
+        raise NotImplementedError
+
+
 class AttentionBackend:
     """Base class; see the module docstring for the contract."""
 
@@ -174,6 +187,20 @@ class AttentionBackend:
 
     def check_block_size(self, block_size: int) -> None:
         """Raise ValueError if this backend cannot read caches with this block size."""
+
+    def step_plan(
+        self,
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables_cpu: torch.Tensor,
+        block_size: int,
+        num_kv_heads: int,
+        group: int,
+        sliding_window: int | None,
+    ) -> StepPlan | None:
+        """Host-side planning of one step whose integer arrays the runner stages in the step's
+        one copy (a StepPlan); None: this backend needs nothing beyond the metadata."""
+        return None
 
     def write_kv(
         self,
@@ -215,6 +242,11 @@ class TorchAttentionBackend(AttentionBackend):
     * GQA folds the query heads sharing a KV head into the query-length axis
       (`[kv_heads, group * q_len, dim]`), so K/V are never repeated per query head (and no
       reliance on SDPA's `enable_gqa`, absent from older torch).
+
+    The step's plan (which rows and tiles each call reads) is made on the host from the
+    metadata's CPU lengths and tables; its integer arrays ride in the runner's one staged copy
+    of the step (`step_plan`), and the masks are built on the device from the staged lengths,
+    so on CUDA the plan costs no copy of its own and no wait.
     """
 
     name = "torch"
@@ -233,6 +265,21 @@ class TorchAttentionBackend(AttentionBackend):
         ):
             buf = self._buf = torch.empty(int(numel * 1.25), dtype=like.dtype, device=like.device)
         return buf[:numel]
+
+    def step_plan(
+        self,
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables_cpu: torch.Tensor,
+        block_size: int,
+        num_kv_heads: int,
+        group: int,
+        sliding_window: int | None,
+    ) -> _TorchStepPlan:
+        return _TorchStepPlan.make(
+            query_lens, seq_lens, block_tables_cpu, block_size, num_kv_heads, group,
+            sliding_window,
+        )  # fmt: skip
 
     def write_kv(
         self,
@@ -260,11 +307,16 @@ class TorchAttentionBackend(AttentionBackend):
         tiles_k = kv_cache[0].view(-1, block_size, head_dim)  # [num_blocks * Hkv, bs, D]
         tiles_v = kv_cache[1].view(-1, block_size, head_dim)
         group = q.shape[1] // num_kv_heads
-        key = ("torch", block_size, num_kv_heads, group, sliding_window, q.device)
+        key = _TorchStepPlan.key(block_size, num_kv_heads, group, sliding_window)
         plan = meta._cache.get(key)
-        if plan is None:
-            plan = _TorchPlan.make(meta, block_size, num_kv_heads, group, sliding_window, q.device)
-            meta._cache[key] = plan
+        if plan is None:  # not staged with the step's inputs (a direct caller): one copy here
+            tables = meta.block_tables if meta.block_tables_cpu is None else meta.block_tables_cpu
+            host = self.step_plan(
+                meta.query_lens_cpu, meta.seq_lens_cpu, tables.cpu(), block_size,
+                num_kv_heads, group, sliding_window,
+            )  # fmt: skip
+            host.attach(meta, Staging(q.device, pin=False).upload(host.arrays))
+            plan = meta._cache[key]
         out = torch.empty_like(q)
 
         for rows, tiles, mask in plan.decode_groups:
@@ -334,7 +386,8 @@ DECODE_GROUP = 32  # decode sequences per padded call: sorted by length, so litt
 
 @dataclass
 class _TorchPlan:
-    """Gather indices and masks of one step, built once and shared by every layer.
+    """Gather indices and masks of one step on the device, built once and shared by every
+    layer.
 
     A tile is one (block, KV head) pair: row `block * num_kv_heads + head` of the cache viewed
     as `[num_blocks * num_kv_heads, block_size, head_dim]`. A sequence's tiles are listed head
@@ -351,25 +404,44 @@ class _TorchPlan:
     # per prompt chunk with no earlier context (and no window): first batch row, q_len
     fresh: list[tuple[int, int]]
 
+
+@dataclass
+class _TorchStepPlan(StepPlan):
+    """The host half of a `_TorchPlan`: the rows, tiles and lengths as CPU integer tensors
+    (staged in the step's one copy); the masks are built on the device from the lengths, so
+    no boolean tensor and no per-group copy crosses to the device."""
+
+    # per decode group: rows [b], tiles [b * Hkv * nb], seq lens [b]; per prefill: tiles
+    arrays: list[torch.Tensor]
+    decode_blocks: list[int]  # per decode group: nb, the blocks read per sequence
+    prefills: list[tuple[int, int, int, int]]  # first row, q_len, seq_len, nb
+    fresh: list[tuple[int, int]]
+    block_size: int
+    group: int
+    window: int | None
+    cache_key: tuple
+
+    @staticmethod
+    def key(block_size: int, num_kv_heads: int, group: int, window: int | None) -> tuple:
+        """Where the device plan sits in `AttentionMetadata._cache` (one step, one device)."""
+        return ("torch", block_size, num_kv_heads, group, window)
+
     @classmethod
     def make(
         cls,
-        meta: AttentionMetadata,
+        query_lens: list[int],
+        lens: list[int],
+        block_tables_cpu: torch.Tensor,
         block_size: int,
         num_kv_heads: int,
         group: int,
         window: int | None,
-        device: torch.device,
-    ) -> _TorchPlan:
+    ) -> _TorchStepPlan:
         starts = [0]
-        for q_len in meta.query_lens_cpu:
+        for q_len in query_lens:
             starts.append(starts[-1] + q_len)
-        lens = meta.seq_lens_cpu
-        decode = sorted(
-            (s for s, q in enumerate(meta.query_lens_cpu) if q == 1), key=lens.__getitem__
-        )
-        tables = meta.block_tables if meta.block_tables_cpu is None else meta.block_tables_cpu
-        tables = tables.to(device="cpu", dtype=torch.int64)
+        decode = sorted((s for s, q in enumerate(query_lens) if q == 1), key=lens.__getitem__)
+        tables = block_tables_cpu.to(torch.int64)
         heads = torch.arange(num_kv_heads)[None, :, None]  # [1, Hkv, 1]
 
         def tiles_of(seqs: list[int], seq_lens: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -379,33 +451,47 @@ class _TorchPlan:
             col = torch.minimum(torch.arange(nb)[None, :], last_block[:, None])  # [b, nb]
             blocks = torch.gather(tables[torch.tensor(seqs)], 1, col)  # [b, nb]
             tiles = blocks[:, None, :] * num_kv_heads + heads  # [b, Hkv, nb]
-            return tiles.reshape(-1).to(device), nb
+            return tiles.reshape(-1), nb
 
-        decode_groups = []
+        arrays, decode_blocks = [], []
         for g in range(0, len(decode), DECODE_GROUP):
             seqs = decode[g : g + DECODE_GROUP]
             glens = torch.tensor([lens[s] for s in seqs])  # [b]
             tiles, nb = tiles_of(seqs, glens)
-            key_pos = torch.arange(nb * block_size)
-            mask = _visible(key_pos[None, :], (glens - 1)[:, None], window)[:, None, None, :]
-            rows = torch.tensor([starts[s] for s in seqs])
-            decode_groups.append((rows.to(device), tiles, mask.to(device)))
+            arrays += [torch.tensor([starts[s] for s in seqs]), tiles, glens]
+            decode_blocks.append(nb)
 
         prefills, fresh = [], []
-        for s, q_len in enumerate(meta.query_lens_cpu):
+        for s, q_len in enumerate(query_lens):
             if q_len == 1:
                 continue
-            seq_len = lens[s]
-            if seq_len == q_len and window is None:
+            if lens[s] == q_len and window is None:
                 fresh.append((starts[s], q_len))
                 continue
-            tiles, nb = tiles_of([s], torch.tensor([seq_len]))
-            key_pos = torch.arange(nb * block_size)  # whole blocks; causality hides the tail
-            q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]  # [q_len, 1]
+            tiles, nb = tiles_of([s], torch.tensor([lens[s]]))
+            arrays.append(tiles)
+            prefills.append((starts[s], q_len, lens[s], nb))
+        key = cls.key(block_size, num_kv_heads, group, window)
+        return cls(arrays, decode_blocks, prefills, fresh, block_size, group, window, key)
+
+    def attach(self, meta: AttentionMetadata, views: list[torch.Tensor]) -> None:
+        bs, window = self.block_size, self.window
+        it = iter(views)
+        decode_groups = []
+        for nb in self.decode_blocks:
+            rows, tiles, glens = next(it), next(it), next(it)
+            key_pos = torch.arange(nb * bs, device=rows.device)
+            mask = _visible(key_pos[None, :], (glens - 1)[:, None], window)[:, None, None, :]
+            decode_groups.append((rows.long(), tiles, mask))
+        prefills = []
+        for start, q_len, seq_len, nb in self.prefills:
+            tiles = next(it)
+            key_pos = torch.arange(nb * bs, device=tiles.device)  # whole blocks; causal hides
+            q_pos = torch.arange(seq_len - q_len, seq_len, device=tiles.device)[:, None]
             mask = _visible(key_pos[None, :], q_pos, window)  # [q_len, nb * bs]
-            mask = mask.repeat(group, 1)  # [G * q_len, L]: folded row g * q_len + i is query i
-            prefills.append((starts[s], q_len, tiles, mask.to(device)))
-        return cls(decode_groups, prefills, fresh)
+            mask = mask.repeat(self.group, 1)  # [G * q_len, L]: folded row g * q_len + i is query i
+            prefills.append((start, q_len, tiles, mask))
+        meta._cache[self.cache_key] = _TorchPlan(decode_groups, prefills, self.fresh)
 
 
 def _visible(key_pos: torch.Tensor, query_pos: torch.Tensor, window: int | None) -> torch.Tensor:

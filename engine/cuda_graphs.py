@@ -78,8 +78,9 @@ class DecodeGraphs:
         self.width = -(-max_model_len // block_size)
         self.sizes = graph_batch_sizes(max_num_seqs)
         largest = self.sizes[-1]
-        # Room for the largest layout, plus what a step stages behind it (its sample rows).
-        numel = sum(_numel(s) for s in input_shapes(largest, self.width)) + largest
+        # Room for the largest layout, plus what a step stages behind it: per row at most its
+        # sample row, and a prompt-logprob row and target (a one-token prompt chunk).
+        numel = sum(_numel(s) for s in input_shapes(largest, self.width)) + 3 * largest
         device = kv_caches[0].device
         self.static = torch.zeros(numel, dtype=torch.int32, device=device)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, int]] = {}

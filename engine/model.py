@@ -18,7 +18,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fairbatch.engine.attention import AttentionBackend, AttentionMetadata, get_attn_backend
+from fairbatch.engine.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    StepPlan,
+    get_attn_backend,
+)
 from fairbatch.engine.config import ModelConfig
 
 
@@ -193,6 +198,23 @@ class LlamaForCausalLM(nn.Module):
         p = next(self.parameters())
         backend = self.attn_backend(p.device, p.dtype)
         return backend.kv_cache_shape(num_blocks, block_size, c.num_key_value_heads, c.head_dim)
+
+    def attn_step_plan(
+        self,
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables_cpu: torch.Tensor,
+        block_size: int,
+    ) -> StepPlan | None:
+        """The backend's host-side plan of one step (for the runner to stage), or None."""
+        c = self.config
+        if self._backend is None:  # resolved as the first forward would resolve it
+            p = next(self.parameters())
+            self.attn_backend(p.device, p.dtype)
+        return self._backend.step_plan(
+            query_lens, seq_lens, block_tables_cpu, block_size, c.num_key_value_heads,
+            c.num_attention_heads // c.num_key_value_heads, c.sliding_window,
+        )  # fmt: skip
 
     def attn_backend(self, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
         if self._backend is None:

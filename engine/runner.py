@@ -3,11 +3,13 @@
 block copies, swap copies -> flattened batch -> one forward -> logits of the rows that sample
 -> sampler.
 
-On CUDA the step's integer inputs reach the device in one non-blocking copy from a pinned
-buffer (engine/staging.py), decode-only steps replay a captured CUDA graph when the runner has
-them (engine/cuda_graphs.py), and the runner itself never waits for the device: the host
-waits when the sampler hands back the tokens; forward time is taken with CUDA events, read
-once they have completed. On CPU a step is built as plain tensors.
+On CUDA the step's integer inputs (with the attention backend's plan and the rows to sample
+and to score) reach the device in one non-blocking copy from a pinned buffer
+(engine/staging.py), the sampler's settings in one more, and decode-only steps replay a
+captured CUDA graph when the runner has them (engine/cuda_graphs.py). The host waits for the
+device once per step: when it reads the sampled tokens, their logprobs and the prompt
+logprobs, all together. Forward time is taken with CUDA events, read once they have
+completed. On CPU a step is built as plain tensors.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from fairbatch.engine.cuda_graphs import (
 from fairbatch.engine.model import LlamaForCausalLM
 from fairbatch.engine.sampler import Sampler
 from fairbatch.engine.sampling_params import SamplingParams
-from fairbatch.engine.staging import Staging
+from fairbatch.engine.staging import Staging, read_to_host
 from fairbatch.kv.cache_engine import CacheEngine
 from fairbatch.scheduler.output import RunnerOutput, SchedulerOutput
 
@@ -136,31 +138,43 @@ class ModelRunner:
                 if end > start:
                     scored.append((req, start, first_row, end - start))
 
+        # Rows strictly increase, so they are 0, 1, ... exactly when the last is len - 1.
+        in_order = not sample_rows or sample_rows[-1] == len(sample_rows) - 1
+        extra = [] if in_order else [torch.tensor(sample_rows)]
+        if scored:
+            score_rows, score_targets = _prompt_rows(scored)
+            extra += [torch.tensor(score_rows), torch.tensor(score_targets)]
+
         t0 = time.perf_counter()
         timer = self._start_timer()
-        hidden, rows = self._forward(input_ids, query_lens, seq_lens, tables, sample_rows)
+        hidden, staged = self._forward(input_ids, query_lens, seq_lens, tables, extra)
+        score: list[torch.Tensor] = []
         if scored:
-            self._score_prompts(hidden, scored)
-        if not sample_reqs:
-            self._stop_timer(timer, t0)
-            return RunnerOutput()
-        if rows is None:  # the sampling rows are the first ones, in order
-            picked = hidden[: len(sample_rows)]
-        else:
-            picked = hidden.index_select(0, rows)
-        logits = self.model.compute_logits(picked)  # [num_samples, vocab]
+            top_n = max(req.prompt_logprobs.top for req, *_ in scored)
+            score = self._score_prompts(hidden, staged[-2], staged[-1], top_n)
+        pending = None
+        if sample_reqs:
+            picked = hidden[: len(sample_rows)] if in_order else hidden.index_select(0, staged[0])
+            logits = self.model.compute_logits(picked)  # [num_samples, vocab]
         self._stop_timer(timer, t0)
-
-        if self.logits_mask is not None:
-            logits = self.logits_mask(logits, sample_reqs)
-        params = [r.sampling_params or _GREEDY for r in sample_reqs]
-        result = self.sampler.sample(
-            logits,
-            params,
-            [r.prompt_token_ids for r in sample_reqs],
-            _OutputsOf(sample_reqs),
-        )
-        self._read_timers()  # the sampled tokens are on the host: the forward has finished
+        if sample_reqs:
+            if self.logits_mask is not None:
+                logits = self.logits_mask(logits, sample_reqs)
+            params = [r.sampling_params or _GREEDY for r in sample_reqs]
+            pending = self.sampler.sample_async(
+                logits,
+                params,
+                [r.prompt_token_ids for r in sample_reqs],
+                _OutputsOf(sample_reqs),
+            )
+        sample = pending.tensors if pending is not None else []
+        host = read_to_host(sample + score)  # the step's only wait for the device
+        self._read_timers()  # the results are on the host: the forward has finished
+        if scored:
+            _fill_prompt_logprobs(scored, score_targets, host[len(sample) :])
+        if pending is None:
+            return RunnerOutput()
+        result = pending.result(host[: len(sample)])
         sampled = {r.request_id: t for r, t in zip(sample_reqs, result.token_ids)}
         logprobs = {
             r.request_id: lp for r, lp in zip(sample_reqs, result.logprobs) if lp is not None
@@ -173,19 +187,17 @@ class ModelRunner:
         query_lens: list[int],
         seq_lens: list[int],
         tables: list[list[int]],
-        sample_rows: list[int],
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Hidden states `[num_tokens, hidden]` and the sampling rows as a device index
-        (None when they are rows 0, 1, ... in order)."""
+        extra: list[torch.Tensor],
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Hidden states `[num_tokens, hidden]`, and `extra` (CPU int64 tensors: row indices)
+        as int64 on the device, staged in the step's one copy."""
         if self.staging is None:  # CPU: plain tensors
             meta, positions = AttentionMetadata.build(
                 query_lens, seq_lens, tables, self.block_size, self.device
             )
             ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-            rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
-            return self.model(ids, positions, self.kv_caches, meta), rows
-        in_order = sample_rows == list(range(len(sample_rows)))
-        extra = [] if in_order else [torch.tensor(sample_rows)]
+            return self.model(ids, positions, self.kv_caches, meta), extra
+        n = len(INPUT_NAMES)
         batch = self._graph_batch(query_lens, tables)
         if batch is not None:
             g = self.graphs
@@ -198,13 +210,20 @@ class ModelRunner:
         else:
             host = AttentionMetadata.host_inputs(query_lens, seq_lens, tables, self.block_size)
             host["ids"] = torch.tensor(input_ids)
-            views = self.staging.upload([host[k] for k in INPUT_NAMES] + extra)
+            plan = self.model.attn_step_plan(
+                query_lens, seq_lens, host["block_tables"], self.block_size
+            )
+            plan_arrays = plan.arrays if plan is not None else []
+            views = self.staging.upload([host[k] for k in INPUT_NAMES] + plan_arrays + extra)
             dev = dict(zip(INPUT_NAMES, views))
             meta, positions = AttentionMetadata.from_device(
                 dev, query_lens, seq_lens, host["block_tables"]
             )
+            if plan is not None:
+                plan.attach(meta, views[n : n + len(plan_arrays)])
+            n += len(plan_arrays)
             hidden = self.model(dev["ids"].long(), positions, self.kv_caches, meta)
-        return hidden, (views[-1].long() if extra else None)
+        return hidden, [v.long() for v in views[n:]]
 
     def _graph_batch(self, query_lens: list[int], tables: list[list[int]]) -> int | None:
         """The captured batch size this step replays, or None to run it eagerly."""
@@ -236,32 +255,38 @@ class ModelRunner:
             start, end = self._timers.pop(0)
             self.forward_time += start.elapsed_time(end) / 1e3
 
-    def _score_prompts(self, hidden: torch.Tensor, scored: list[tuple]) -> None:
-        """Fill the prompt log-prob records of this step's prompt positions (one logits call
-        for all of them): `log_softmax` of the model's logits, as the sampler's logprobs."""
-        rows, targets = [], []
-        for req, start, first_row, count in scored:
-            rows.extend(range(first_row, first_row + count))
-            targets.extend(req.all_token_ids[start + 1 : start + 1 + count])
-        dev = self.device
-        logits = self.model.compute_logits(
-            hidden.index_select(0, torch.tensor(rows, dtype=torch.long, device=dev))
-        )
-        logprobs = logits.float().log_softmax(dim=-1)
-        picked = logprobs.gather(1, torch.tensor(targets, device=dev).unsqueeze(1)).squeeze(1)
-        top_n = max(req.prompt_logprobs.top for req, *_ in scored)
-        top_vals = top_ids = None
-        if top_n:
-            top_vals, top_ids = (t.tolist() for t in logprobs.topk(top_n, dim=-1))
-        picked_l = picked.tolist()
-        j = 0
-        for req, start, _, count in scored:
-            plp, k = req.prompt_logprobs, req.prompt_logprobs.top
-            for p in range(start + 1, start + 1 + count):
-                if plp.entries[p] is None:  # recomputed after preemption: keep the first
-                    entry = [(targets[j], picked_l[j])]
-                    if k:
-                        entry.extend(zip(top_ids[j][:k], top_vals[j][:k]))
-                    plp.entries[p] = entry
-                    plp.num_missing -= 1
-                j += 1
+    def _score_prompts(
+        self, hidden: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor, top_n: int
+    ) -> list[torch.Tensor]:
+        """The prompt positions' log-probs on the device (one logits call for all of them):
+        each target's `[r]`, then with `top_n` the top values and ids `[r, top_n]`;
+        `log_softmax` of the model's logits, as the sampler's logprobs."""
+        logprobs = self.model.compute_logits(hidden.index_select(0, rows)).log_softmax(dim=-1)
+        picked = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1)
+        return [picked, *logprobs.topk(top_n, dim=-1)] if top_n else [picked]
+
+
+def _prompt_rows(scored: list[tuple]) -> tuple[list[int], list[int]]:
+    """The flat batch rows of the prompt positions scored this step, and the prompt token
+    each one's logits score (position p's logits score token p + 1)."""
+    rows, targets = [], []
+    for req, start, first_row, count in scored:
+        rows.extend(range(first_row, first_row + count))
+        targets.extend(req.all_token_ids[start + 1 : start + 1 + count])
+    return rows, targets
+
+
+def _fill_prompt_logprobs(scored: list[tuple], targets: list[int], host: list[list]) -> None:
+    """Fill the prompt log-prob records from `_score_prompts`' values read to the host."""
+    picked, top_vals, top_ids = host[0], *(host[1:] or (None, None))
+    j = 0
+    for req, start, _, count in scored:
+        plp, k = req.prompt_logprobs, req.prompt_logprobs.top
+        for p in range(start + 1, start + 1 + count):
+            if plp.entries[p] is None:  # recomputed after preemption: keep the first
+                entry = [(targets[j], picked[j])]
+                if k:
+                    entry.extend(zip(top_ids[j][:k], top_vals[j][:k]))
+                plp.entries[p] = entry
+                plp.num_missing -= 1
+            j += 1

@@ -30,6 +30,13 @@ not the sampling recipe. For a row with `logprobs=N` the entry is
 `[(sampled_id, logprob), (top1_id, logprob), ..., (topN_id, logprob)]`: the sampled token first
 (always present, even with N = 0), then the N most likely tokens, most likely first (the sampled
 token may appear again among them).
+
+Transfers (what keeps a CUDA step free of host waits): everything a pass needs from the host
+(row indices, penalty token lists, temperatures, top-k/p, min-p, biases) is built as CPU
+tensors first and reaches the device in one staged non-blocking copy (engine/staging.py);
+the device work then reads only those views and the logits. `sample_async` leaves the result
+on the device, so the caller reads it together with the rest of its step in one wait;
+`sample` is that plus the read.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from dataclasses import dataclass
 import torch
 
 from fairbatch.engine.sampling_params import SamplingParams, derive_seed
+from fairbatch.engine.staging import Staging, read_to_host
 
 
 @dataclass
@@ -49,6 +57,30 @@ class SamplerOutput:
     token_ids: list[int]  # the sampled token of each row
     # Per row: None unless the row asked for logprobs, else [(sampled, lp), (top1, lp), ...].
     logprobs: list[list[tuple[int, float]] | None]
+
+
+@dataclass
+class PendingSample:
+    """A sampling pass issued on the device, not yet read. `tensors`: the token ids `[rows]`,
+    then for the rows with logprobs their sampled token's logprob and, when any asked for
+    top entries, the top values and ids. `result` takes their `tolist()` values."""
+
+    tensors: list[torch.Tensor]
+    logprob_rows: list[int]  # the rows with logprobs, in order
+    top_n: list[int]  # per logprob row: how many top entries it asked for
+
+    def result(self, host: list[list]) -> SamplerOutput:
+        tokens = host[0]
+        logprobs: list[list[tuple[int, float]] | None] = [None] * len(tokens)
+        if self.logprob_rows:
+            sampled_lp = host[1]
+            top_vals, top_ids = host[2:4] if len(host) > 2 else (None, None)
+            for j, i in enumerate(self.logprob_rows):
+                entry = [(tokens[i], sampled_lp[j])]
+                if self.top_n[j]:
+                    entry.extend(zip(top_ids[j][: self.top_n[j]], top_vals[j][: self.top_n[j]]))
+                logprobs[i] = entry
+        return SamplerOutput(token_ids=tokens, logprobs=logprobs)
 
 
 def make_generator(
@@ -63,7 +95,8 @@ def make_generator(
 
 
 class Sampler:
-    """Samples one token per row; stateless apart from the generator for unseeded rows."""
+    """Samples one token per row; stateless apart from the generator for unseeded rows (and
+    reused scratch: a seeded-row generator and the staging buffers)."""
 
     def __init__(self, generator: torch.Generator | None = None) -> None:
         # Unseeded rows draw from this (None = torch's default generator for the device).
@@ -71,6 +104,7 @@ class Sampler:
         # One reusable generator per device for seeded rows: manual_seed resets it completely,
         # so reuse is equivalent to make_generator() without an allocation per row and step.
         self._scratch: dict[torch.device, torch.Generator] = {}
+        self.staging: Staging | None = None  # for the logits' device, made on first use
 
     def sample(
         self,
@@ -85,6 +119,17 @@ class Sampler:
         generated so far: penalties read them, and `len(output_token_ids[i])` is the step index
         of the seeding contract (see the module docstring).
         """
+        pending = self.sample_async(logits, params, prompt_token_ids, output_token_ids)
+        return pending.result(read_to_host(pending.tensors))
+
+    def sample_async(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        prompt_token_ids: Sequence[Sequence[int]],
+        output_token_ids: Sequence[Sequence[int]],
+    ) -> PendingSample:
+        """`sample` without the read: at most one host->device copy, no wait."""
         num_rows, vocab = logits.shape
         if not (len(params) == len(prompt_token_ids) == len(output_token_ids) == num_rows):
             raise ValueError(
@@ -93,69 +138,84 @@ class Sampler:
             )
         logits = logits.float()
         raw_logits = logits  # logprobs describe the model, so keep the unpenalized logits
-
-        pen_rows = [i for i, p in enumerate(params) if p.has_penalties]
-        if pen_rows:
-            logits = _apply_penalties_to_rows(
-                logits, pen_rows, params, prompt_token_ids, output_token_ids
-            )
-
-        bias_rows = [i for i, p in enumerate(params) if p.logit_bias]
-        if bias_rows:
-            logits = _apply_logit_bias(logits, bias_rows, params)
-
         rand_rows = [i for i, p in enumerate(params) if not p.is_greedy]
+        rand_params = [params[i] for i in rand_rows]
+        lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        host = {
+            **_penalty_inputs(params, prompt_token_ids, output_token_ids, vocab),
+            **_bias_inputs(params),
+            **_random_inputs(rand_rows, rand_params, num_rows, vocab),
+        }
+        if lp_rows:
+            host["lp_rows"] = torch.tensor(lp_rows)
+        dev = self._upload(host, logits.device)
+
+        if "pen_rows" in dev:
+            logits = _apply_penalties_to_rows(logits, dev)
+        if "bias_rows" in dev:
+            logits = _apply_logit_bias(logits, dev)
         steps = [len(output_token_ids[i]) for i in rand_rows]
         if not rand_rows:
             token_ids = logits.argmax(dim=-1)  # fast path: every row greedy
         elif len(rand_rows) == num_rows:
-            token_ids = self._sample_random(logits, list(params), steps)
+            token_ids = self._sample_random(logits, rand_params, steps, dev)
         else:
-            idx = torch.tensor(rand_rows, device=logits.device)
-            rand_params = [params[i] for i in rand_rows]
-            sampled = self._sample_random(logits.index_select(0, idx), rand_params, steps)
+            idx = dev["rand_rows"]
+            sampled = self._sample_random(logits.index_select(0, idx), rand_params, steps, dev)
             token_ids = logits.argmax(dim=-1).index_copy(0, idx, sampled)
 
-        tokens = token_ids.tolist()
-        return SamplerOutput(token_ids=tokens, logprobs=_logprobs(raw_logits, params, tokens))
+        tensors = [token_ids]
+        top_n = [params[i].logprobs or 0 for i in lp_rows]
+        if lp_rows:
+            idx = dev["lp_rows"]
+            logprobs = raw_logits.index_select(0, idx).log_softmax(dim=-1)
+            sampled_ids = token_ids.index_select(0, idx).unsqueeze(1)
+            tensors.append(logprobs.gather(1, sampled_ids).squeeze(1))
+            if max(top_n):
+                tensors.extend(logprobs.topk(max(top_n), dim=-1))  # values, ids
+        return PendingSample(tensors, lp_rows, top_n)
+
+    def _upload(self, host: dict[str, torch.Tensor], device: torch.device) -> dict:
+        """`host`'s tensors on `device` in one staged copy; integer ones as int64 there (the
+        index type index_copy_, gather and scatter_add_ take)."""
+        if not host:
+            return {}
+        if self.staging is None or self.staging.device != device:
+            self.staging = Staging(device)
+        views = self.staging.upload(list(host.values()))
+        return {k: v if v.is_floating_point() else v.long() for k, v in zip(host, views)}
 
     def _sample_random(
-        self, logits: torch.Tensor, params: list[SamplingParams], steps: list[int]
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        steps: list[int],
+        dev: dict[str, torch.Tensor],
     ) -> torch.Tensor:
-        """Temperature, filtering and the exponential race on non-greedy rows ([r, vocab])."""
-        device = logits.device
-        temps = torch.tensor([p.temperature for p in params], device=device, dtype=logits.dtype)
-        logits = logits / temps.unsqueeze(1)
-
-        vocab = logits.shape[1]
-        top_k = None
-        if any(p.uses_top_k for p in params):
-            ks = [min(p.top_k, vocab) if p.uses_top_k else vocab for p in params]
-            top_k = torch.tensor(ks, device=device)
-        top_p = None
-        if any(p.uses_top_p for p in params):
-            top_p = torch.tensor([p.top_p for p in params], device=device, dtype=logits.dtype)
-        if top_k is not None or top_p is not None:
-            logits = apply_top_k_top_p(logits, top_k, top_p)
-        if any(p.uses_min_p for p in params):
-            min_p = torch.tensor([p.min_p for p in params], device=device, dtype=logits.dtype)
-            logits = apply_min_p(logits, min_p)
+        """Temperature, filtering and the exponential race on non-greedy rows ([r, vocab]);
+        `dev` holds the rows' staged settings (`_random_inputs`)."""
+        logits = logits / dev["temps"].unsqueeze(1)
+        if "top_k" in dev or "top_p" in dev:
+            logits = apply_top_k_top_p(logits, dev.get("top_k"), dev.get("top_p"))
+        if "min_p" in dev:
+            logits = apply_min_p(logits, dev["min_p"])
 
         probs = logits.softmax(dim=-1)
         q = torch.empty_like(probs)
-        unseeded = [j for j, p in enumerate(params) if p.seed is None]
-        if len(unseeded) == len(params):
+        seeded = [j for j, p in enumerate(params) if p.seed is not None]
+        if not seeded:
             q.exponential_(generator=self.generator)
         else:
-            if unseeded:
-                u_idx = torch.tensor(unseeded, device=device)
-                noise = torch.empty((len(unseeded), vocab), device=device, dtype=q.dtype)
+            if "unseeded" in dev:
+                u_idx = dev["unseeded"]
+                noise = torch.empty((u_idx.shape[0], q.shape[1]), device=q.device, dtype=q.dtype)
                 q.index_copy_(0, u_idx, noise.exponential_(generator=self.generator))
-            gen = self._scratch_generator(device)
-            for j, p in enumerate(params):
-                if p.seed is not None:
-                    gen.manual_seed(derive_seed(p.seed, steps[j]))
-                    q[j].exponential_(generator=gen)
+            gen = self._scratch_generator(q.device)
+            for j in seeded:
+                # manual_seed only sets host-side state: the kernel takes seed and offset by
+                # value, so reseeding for the next row cannot change this one's noise
+                gen.manual_seed(derive_seed(params[j].seed, steps[j]))
+                q[j].exponential_(generator=gen)
         # Exp(1) can come out as exactly 0: clamp so a zero-probability token never gets 0/0=NaN
         # (argmax would pick NaN) and a possible token gets a huge but finite score.
         q.clamp_(min=torch.finfo(q.dtype).tiny)
@@ -168,82 +228,133 @@ class Sampler:
         return gen
 
 
-def apply_penalties(
-    logits: torch.Tensor,
+# ---- host side: a pass's settings as CPU tensors (staged in one copy) ------------------------
+
+
+def _f32(values: list[float]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32)
+
+
+def _padded(token_lists: list[Sequence[int]], pad: int) -> torch.Tensor:
+    """`[rows, longest]` int64 token ids, short rows padded with `pad`."""
+    width = max((len(t) for t in token_lists), default=0)
+    padded = [[*t, *([pad] * (width - len(t)))] for t in token_lists]
+    return torch.tensor(padded, dtype=torch.int64).view(len(token_lists), width)
+
+
+def _penalty_inputs(
+    params: Sequence[SamplingParams],
     prompt_token_ids: Sequence[Sequence[int]],
     output_token_ids: Sequence[Sequence[int]],
+    vocab: int,
+) -> dict[str, torch.Tensor]:
+    """The rows with penalties, their prompt and output tokens (padded with the id `vocab`,
+    a column `_token_counts` drops) and their three penalties; {} when no row has any."""
+    rows = [i for i, p in enumerate(params) if p.has_penalties]
+    if not rows:
+        return {}
+    return {
+        "pen_rows": torch.tensor(rows),
+        "pen_prompt": _padded([prompt_token_ids[i] for i in rows], vocab),
+        "pen_output": _padded([output_token_ids[i] for i in rows], vocab),
+        "presence": _f32([params[i].presence_penalty for i in rows]),
+        "frequency": _f32([params[i].frequency_penalty for i in rows]),
+        "repetition": _f32([params[i].repetition_penalty for i in rows]),
+    }
+
+
+def _bias_inputs(params: Sequence[SamplingParams]) -> dict[str, torch.Tensor]:
+    """Every (row, token, bias) of the rows' `logit_bias`, flattened; {} when none."""
+    rows, ids, values = [], [], []
+    for i, p in enumerate(params):
+        for token, bias in (p.logit_bias or {}).items():
+            rows.append(i)
+            ids.append(token)
+            values.append(bias)
+    if not rows:
+        return {}
+    return {"bias_rows": torch.tensor(rows), "bias_ids": torch.tensor(ids), "bias": _f32(values)}
+
+
+def _random_inputs(
+    rand_rows: list[int], params: list[SamplingParams], num_rows: int, vocab: int
+) -> dict[str, torch.Tensor]:
+    """The non-greedy rows' settings, only those some row uses; `rand_rows` when not every
+    row samples, `unseeded` (positions among the random rows) when seeds are mixed."""
+    if not rand_rows:
+        return {}
+    out = {"temps": _f32([p.temperature for p in params])}
+    if len(rand_rows) < num_rows:
+        out["rand_rows"] = torch.tensor(rand_rows)
+    if any(p.uses_top_k for p in params):
+        ks = [min(p.top_k, vocab) if p.uses_top_k else vocab for p in params]
+        out["top_k"] = torch.tensor(ks)
+    if any(p.uses_top_p for p in params):
+        out["top_p"] = _f32([p.top_p for p in params])
+    if any(p.uses_min_p for p in params):
+        out["min_p"] = _f32([p.min_p for p in params])
+    unseeded = [j for j, p in enumerate(params) if p.seed is None]
+    if unseeded and len(unseeded) < len(params):
+        out["unseeded"] = torch.tensor(unseeded)
+    return out
+
+
+# ---- device side ------------------------------------------------------------------------------
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_index: torch.Tensor,
+    output_index: torch.Tensor,
     presence: torch.Tensor,
     frequency: torch.Tensor,
     repetition: torch.Tensor,
 ) -> torch.Tensor:
-    """Penalized copy of `logits` ([r, vocab]); penalty tensors are [r].
+    """Penalized copy of `logits` ([r, vocab]); penalty tensors are [r], the token indices
+    `[r, width]` int64 padded with the id `vocab`.
 
     Repetition (CTRL paper, as vLLM/HF): tokens present in prompt or output have positive
     logits divided by the penalty and negative ones multiplied. Then OpenAI's frequency
     (per output occurrence) and presence (once if in the output) penalties are subtracted.
     """
-    num_rows, vocab = logits.shape
-    out_counts = _token_counts(output_token_ids, num_rows, vocab, logits.device)
+    vocab = logits.shape[1]
+    out_counts = _token_counts(output_index, vocab)
     in_output = out_counts > 0
-    seen = in_output | (_token_counts(prompt_token_ids, num_rows, vocab, logits.device) > 0)
+    seen = in_output | (_token_counts(prompt_index, vocab) > 0)
     rep = repetition.unsqueeze(1)
     logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
     logits = logits - frequency.unsqueeze(1) * out_counts
     return logits - presence.unsqueeze(1) * in_output.to(logits.dtype)
 
 
-def _apply_penalties_to_rows(
-    logits: torch.Tensor,
-    rows: list[int],
-    params: Sequence[SamplingParams],
-    prompt_token_ids: Sequence[Sequence[int]],
-    output_token_ids: Sequence[Sequence[int]],
-) -> torch.Tensor:
-    """Copy of `logits` with penalties applied to `rows` only (the others cost nothing)."""
-    dev, dt = logits.device, logits.dtype
-    idx = torch.tensor(rows, device=dev)
+def _apply_penalties_to_rows(logits: torch.Tensor, dev: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Copy of `logits` with penalties applied to the rows `_penalty_inputs` chose (the others
+    cost nothing); `dev` holds its tensors on the logits' device."""
+    idx = dev["pen_rows"]
     penalized = apply_penalties(
         logits.index_select(0, idx),
-        [prompt_token_ids[i] for i in rows],
-        [output_token_ids[i] for i in rows],
-        torch.tensor([params[i].presence_penalty for i in rows], device=dev, dtype=dt),
-        torch.tensor([params[i].frequency_penalty for i in rows], device=dev, dtype=dt),
-        torch.tensor([params[i].repetition_penalty for i in rows], device=dev, dtype=dt),
+        dev["pen_prompt"],
+        dev["pen_output"],
+        dev["presence"],
+        dev["frequency"],
+        dev["repetition"],
     )
     return logits.index_copy(0, idx, penalized)
 
 
-def _apply_logit_bias(
-    logits: torch.Tensor, rows: list[int], params: Sequence[SamplingParams]
-) -> torch.Tensor:
-    """Copy of `logits` with each row's `logit_bias` added (ids were checked against the vocab
-    when the request was added)."""
-    flat_rows, flat_ids, values = [], [], []
-    for i in rows:
-        for token, bias in params[i].logit_bias.items():
-            flat_rows.append(i)
-            flat_ids.append(token)
-            values.append(bias)
-    dev = logits.device
+def _apply_logit_bias(logits: torch.Tensor, dev: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Copy of `logits` with the staged biases added (ids were checked against the vocab when
+    the request was added)."""
     out = logits.clone()
-    out.index_put_(
-        (torch.tensor(flat_rows, device=dev), torch.tensor(flat_ids, device=dev)),
-        torch.tensor(values, device=dev, dtype=logits.dtype),
-        accumulate=True,
-    )
+    out.index_put_((dev["bias_rows"], dev["bias_ids"]), dev["bias"], accumulate=True)
     return out
 
 
-def _token_counts(
-    token_ids: Sequence[Sequence[int]], num_rows: int, vocab: int, device: torch.device
-) -> torch.Tensor:
-    """[num_rows, vocab] float counts of each token id per row (one scatter_add for all rows)."""
-    width = max((len(t) for t in token_ids), default=0)
-    counts = torch.zeros((num_rows, vocab + 1), dtype=torch.float32, device=device)
-    if width:
-        # Pad with the extra column `vocab`, which is dropped below.
-        padded = [list(t) + [vocab] * (width - len(t)) for t in token_ids]
-        index = torch.tensor(padded, dtype=torch.long, device=device)
+def _token_counts(index: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[rows, vocab] float32 counts of each token id per row of `index` ([rows, width], padded
+    with the id `vocab`): one scatter_add for all rows, the padding column dropped."""
+    counts = torch.zeros((index.shape[0], vocab + 1), dtype=torch.float32, device=index.device)
+    if index.shape[1]:
         counts.scatter_add_(1, index, torch.ones_like(index, dtype=torch.float32))
     return counts[:, :vocab]
 
@@ -282,28 +393,3 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """
     threshold = logits.amax(dim=-1, keepdim=True) + torch.log(min_p).unsqueeze(1)
     return logits.masked_fill(logits < threshold, -float("inf"))
-
-
-def _logprobs(
-    raw_logits: torch.Tensor, params: Sequence[SamplingParams], tokens: list[int]
-) -> list[list[tuple[int, float]] | None]:
-    """Per row: None, or [(sampled, lp), *top-N] from log_softmax of the raw logits."""
-    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-    out: list[list[tuple[int, float]] | None] = [None] * len(params)
-    if not rows:
-        return out
-    idx = torch.tensor(rows, device=raw_logits.device)
-    logprobs = raw_logits.index_select(0, idx).log_softmax(dim=-1)
-    sampled = torch.tensor([tokens[i] for i in rows], device=raw_logits.device)
-    sampled_lp = logprobs.gather(1, sampled.unsqueeze(1)).squeeze(1).tolist()
-    n_max = max(params[i].logprobs or 0 for i in rows)
-    top_vals, top_ids = logprobs.topk(n_max, dim=-1) if n_max else (None, None)
-    top_vals_l = top_vals.tolist() if top_vals is not None else None
-    top_ids_l = top_ids.tolist() if top_ids is not None else None
-    for j, i in enumerate(rows):
-        entry = [(tokens[i], sampled_lp[j])]
-        n = params[i].logprobs or 0
-        if n:
-            entry.extend(zip(top_ids_l[j][:n], top_vals_l[j][:n]))
-        out[i] = entry
-    return out

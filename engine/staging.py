@@ -1,10 +1,15 @@
-"""A step's integer inputs to the device in one copy.
+"""A step's host<->device transfers: small inputs up in one copy, results down with one wait.
 
-`Staging.upload` packs several small CPU integer tensors (token ids, positions, slots, block
-tables, ...) into one pinned int32 host buffer and copies it to the device with one
-non-blocking copy; the results are int32 views of one device buffer, in the order given. With
-`out=` the copy lands in a buffer the caller owns (the CUDA graphs' static inputs): views of
-the same shapes then always sit at the same addresses.
+`Staging.upload` packs several small CPU tensors (token ids, positions, slots, block tables,
+sampling parameters, ...) into one pinned 32-bit host buffer and copies it to the device with
+one non-blocking copy; the results are views of one device buffer, in the order given. Integer
+tensors arrive as int32, float32 ones as float32 (their bits travel unchanged). With `out=`
+the copy lands in a buffer the caller owns (the CUDA graphs' static inputs): views of the same
+shapes then always sit at the same addresses.
+
+`read_to_host` is the other direction: the values of several device tensors as Python lists,
+with one wait for the device however many tensors there are (a step's sampled tokens, its
+logprobs and its prompt logprobs come back together).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ class Staging:
         self._host = torch.empty(0, dtype=torch.int32)
         self._dev = torch.empty(0, dtype=torch.int32, device=self.device)
         self._copied = None  # CUDA event: the last copy has read the host buffer
+        self.num_uploads = 0  # copies made (tests count them)
 
     def _grow(self, numel: int, need_dev: bool) -> None:
         size = max(numel, 2 * self._host.numel(), 4096)
@@ -36,21 +42,51 @@ class Staging:
     def upload(
         self, arrays: list[torch.Tensor], out: torch.Tensor | None = None
     ) -> list[torch.Tensor]:
-        """int32 device views of `arrays` (CPU integer tensors), copied in one transfer into
-        `out` (flat int32 on the device) or into the staging's own device buffer."""
+        """Device views of `arrays` (CPU integer or float32 tensors), copied in one transfer
+        into `out` (flat int32 on the device) or into the staging's own device buffer."""
+        if not arrays:
+            return []
         sizes = [a.numel() for a in arrays]
         numel = sum(sizes)
         self._grow(numel, out is None)
         self._wait()  # the previous copy may still read the host buffer
         host = self._host[:numel]
-        torch.cat([a.reshape(-1).to(torch.int32) for a in arrays], out=host)
+        torch.cat([_as_int32(a).reshape(-1) for a in arrays], out=host)
         dev = (self._dev if out is None else out)[:numel]
         dev.copy_(host, non_blocking=self.pin)
+        self.num_uploads += 1
         if self.device.type == "cuda":
             self._copied = torch.cuda.Event()
             self._copied.record()
         views, start = [], 0
         for a, n in zip(arrays, sizes):
-            views.append(dev[start : start + n].view(a.shape))
+            view = dev[start : start + n]
+            if a.dtype == torch.float32:
+                view = view.view(torch.float32)
+            views.append(view.view(a.shape))
             start += n
         return views
+
+
+def _as_int32(a: torch.Tensor) -> torch.Tensor:
+    if a.dtype == torch.float32:
+        return a.view(torch.int32)  # the bits, not a rounded value
+    if a.is_floating_point() or a.is_complex():
+        raise TypeError(f"staging carries integers and float32, got {a.dtype}")
+    return a.to(torch.int32)
+
+
+def read_to_host(tensors: list[torch.Tensor]) -> list[list]:
+    """`t.tolist()` of each tensor, waiting for the device once: on CUDA every tensor is
+    copied without blocking into pinned memory, then the host waits for the last copy."""
+    if not tensors or tensors[0].device.type != "cuda":
+        return [t.tolist() for t in tensors]
+    hosts = []
+    for t in tensors:
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        hosts.append(host)
+    done = torch.cuda.Event()
+    done.record()
+    done.synchronize()  # the step's one wait for the device
+    return [h.tolist() for h in hosts]

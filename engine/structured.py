@@ -187,6 +187,7 @@ class StructuredOutput:
         self.held: dict[str, _Held] = {}  # insertion order = admission order
         self.matchers: dict[str, Any] = {}
         self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+        self._staging = None  # the bitmask's way to a CUDA device, made on first use
         self._probe = xgr.allocate_token_bitmask(1, vocab_size)
         self._stop_words = self._probe.clone().zero_()
         for t in stop_token_ids:
@@ -300,12 +301,24 @@ class StructuredOutput:
         for i in rows:
             matchers[requests[i].request_id].fill_next_token_bitmask(bitmask, i)
         bitmask &= self._json_safe
+        if len(rows) < num_rows:
+            # Rows without a grammar allow every token, so the mask covers the whole batch
+            # and xgrammar needs no row list (on CUDA it would copy one over, blocking).
+            bitmask[[i for i, r in enumerate(requests) if r.request_id not in matchers]] = -1
         if logits.dtype != _float32():
             logits = logits.float()
         if logits.device.type != "cpu":
-            bitmask = bitmask.to(logits.device, non_blocking=True)
-        self._xgr.apply_token_bitmask_inplace(logits, bitmask, indices=rows)
+            # pinned and non-blocking (a pageable copy makes the host wait)
+            bitmask = self._staging_for(logits.device).upload([bitmask])[0]
+        self._xgr.apply_token_bitmask_inplace(logits, bitmask)
         return logits
+
+    def _staging_for(self, device: Any) -> Any:
+        from fairbatch.engine.staging import Staging
+
+        if self._staging is None or self._staging.device != device:
+            self._staging = Staging(device)
+        return self._staging
 
     def advance(self, new_tokens: Mapping[str, int], finished: Mapping[str, str]) -> dict:
         """Feed each constrained request its new token. Returns `finished` plus the requests

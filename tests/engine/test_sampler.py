@@ -110,9 +110,9 @@ def test_penalties_match_reference_definition() -> None:
                        repetition_penalty=r)
         for p, f, r in settings
     ]  # fmt: skip
-    from fairbatch.engine.sampler import _apply_penalties_to_rows
+    from fairbatch.engine.sampler import _apply_penalties_to_rows, _penalty_inputs
 
-    got = _apply_penalties_to_rows(logits, [0, 1, 2], params, prompts, outputs)
+    got = _apply_penalties_to_rows(logits, _penalty_inputs(params, prompts, outputs, vocab))
     for i, (p, f, r) in enumerate(settings):
         want = _reference_penalties(logits[i].tolist(), prompts[i], outputs[i], p, f, r)
         assert got[i].tolist() == pytest.approx(want, rel=1e-6, abs=1e-6)
