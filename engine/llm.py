@@ -98,10 +98,11 @@ def build_engine(
 ) -> EngineCore:
     """An EngineCore on the real model. KV sizing: explicit block counts win; otherwise
     `kv_cache_bytes` on CPU, or on CUDA `gpu_memory_utilization` of the device less the
-    weights, the peak activations of a profiled dummy step and what other processes hold
-    (engine/memory.py); either way at most the blocks `max_num_seqs` sequences of
-    `max_model_len` tokens fill. On CUDA decode steps replay CUDA graphs where the attention
-    backend allows it, unless `enforce_eager`. Settings the backend cannot run fail here.
+    weights, the peak activations of a profiled dummy step, the decode CUDA graphs' measured
+    memory and what other processes hold (engine/memory.py); either way at most the blocks
+    `max_num_seqs` sequences of `max_model_len` tokens fill. On CUDA decode steps replay CUDA
+    graphs where the attention backend allows it, unless `enforce_eager`. Settings the
+    backend cannot run fail here.
     `policy_kwargs` go to the policy (e.g. `{"order_within_tenant": "edf"}`, dlpm's
     `quantum`); a policy they cannot build fails before the model loads."""
     if block_size < 1 or max_num_seqs < 1 or max_num_batched_tokens < 1:
@@ -129,6 +130,7 @@ def build_engine(
         head_major=backend.head_major,
     )
     max_len = min(max_model_len or config.max_position_embeddings, config.max_position_embeddings)
+    use_graphs = dev.type == "cuda" and backend.supports_cuda_graphs and not enforce_eager
     if num_gpu_blocks is None:
         if dev.type == "cuda":
             profile = profile_cuda_memory(
@@ -139,6 +141,7 @@ def build_engine(
                 max_num_seqs,
                 max_len,
                 Sampler(generator=torch.Generator(device=dev).manual_seed(0)),
+                cuda_graphs=use_graphs,
             )
             budget = kv_cache_budget(profile, gpu_memory_utilization)
         else:
@@ -159,7 +162,6 @@ def build_engine(
     kv = KVCacheManager(num_gpu_blocks, block_size, num_cpu_blocks, enable_prefix_caching)
     # (tenants' kv_share reach the KV manager through the policy: Scheduler.__init__)
     scheduler = Scheduler(sched_cfg, kv, queue_policy)
-    use_graphs = dev.type == "cuda" and backend.supports_cuda_graphs and not enforce_eager
     cache = CacheEngine(layout, num_gpu_blocks, num_cpu_blocks, dev, pad_block=use_graphs)
     gen = torch.Generator(device=dev).manual_seed(seed)
     runner = ModelRunner(m, cache, Sampler(generator=gen))

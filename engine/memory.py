@@ -1,10 +1,17 @@
 """How big the KV pool may be: the arithmetic (pure), and the profiling run that feeds it.
 
 On CUDA, `build_engine` loads the weights, runs one dummy step of `max_num_batched_tokens`
-tokens (and the sampler over `max_num_seqs` rows) and reads the allocator's peak. The pool then
-gets what is left of our share of the device:
+tokens (and the sampler over `max_num_seqs` rows) and reads the allocator's peak. When decode
+steps will replay CUDA graphs it then captures them once over a scratch cache and frees them,
+measuring what they add to the device (their memory pool, static inputs and the pad block):
+the real graphs are captured after the KV pool exists (they read it at fixed addresses), so
+their memory must be set aside before the pool is sized. Newer vLLM releases likewise
+estimate CUDA-graph memory during memory profiling; older ones captured after sizing and
+left the graphs to the (1 - gpu_memory_utilization) headroom. The pool then gets what is
+left of our share of the device:
 
-    budget = utilization x total - weights - peak activations - memory other processes hold
+    budget = utilization x total - weights - peak activations - CUDA graphs
+             - memory other processes hold
 
 `total - free` would count the other processes' memory as ours and undersize (or oversize) the
 pool. A pool is also never larger than `max_num_seqs` sequences of `max_model_len` tokens need,
@@ -26,13 +33,14 @@ class MemoryProfile:
     weights: int  # our weights (allocated after loading, before the dummy step)
     peak_activations: int  # peak allocated during the dummy step, above the weights
     others: int  # held outside our allocator: other processes (and our CUDA context)
+    cuda_graphs: int = 0  # what capturing the decode graphs adds (0: eager)
 
 
 def kv_cache_budget(profile: MemoryProfile, utilization: float) -> int:
     """Bytes the KV cache may take: our share of the device less everything else on it."""
     if not 0 < utilization <= 1:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
-    used = profile.weights + profile.peak_activations + profile.others
+    used = profile.weights + profile.peak_activations + profile.cuda_graphs + profile.others
     return max(int(profile.total * utilization) - used, 0)
 
 
@@ -101,9 +109,11 @@ def profile_cuda_memory(
     max_num_seqs: int,
     max_model_len: int,
     sampler=None,
+    cuda_graphs: bool = False,
 ) -> MemoryProfile:
-    """Measure weights and peak activations with one dummy step (CUDA only). The step writes
-    its K/V into a scratch cache just big enough for it; that cache is not counted."""
+    """Measure weights and peak activations with one dummy step (CUDA only), and with
+    `cuda_graphs` the decode graphs' memory. The step writes its K/V into a scratch cache just
+    big enough for it; that cache is not counted."""
     from fairbatch.kv.cache_engine import CacheEngine
 
     torch.cuda.synchronize(device)
@@ -122,6 +132,40 @@ def profile_cuda_memory(
     peak = torch.cuda.max_memory_allocated(device) - weights - scratch_bytes
     del scratch
     torch.cuda.empty_cache()
+    graphs = (
+        measure_graph_memory(model, layout, device, max_num_seqs, max_model_len)
+        if cuda_graphs
+        else 0
+    )
     free, total = torch.cuda.mem_get_info(device)
     others = max(total - free - torch.cuda.memory_reserved(device), 0)
-    return MemoryProfile(total, weights, max(peak, 0), others)
+    return MemoryProfile(total, weights, max(peak, 0), others, graphs)
+
+
+def measure_graph_memory(
+    model, layout, device: torch.device, max_num_seqs: int, max_model_len: int
+) -> int:
+    """Device bytes the decode CUDA graphs add, measured as the drop in free device memory
+    while they exist: captured once over a cache of just the pad block (capture writes
+    nothing else, and a graph's memory does not depend on the pool's size: the cache is an
+    input), then freed. The pad block, the static inputs and the graph pools all count, and
+    so does the driver's share, which the allocator's own counters do not see."""
+    from fairbatch.engine.cuda_graphs import DecodeGraphs
+    from fairbatch.kv.cache_engine import CacheEngine
+
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    free_before = torch.cuda.mem_get_info(device)[0]
+    scratch = CacheEngine(layout, 0, 0, device, pad_block=True)
+    graphs = DecodeGraphs(
+        model, scratch.layer_caches(), layout.block_size, max_num_seqs, max_model_len,
+        scratch.pad_block,
+    )  # fmt: skip
+    graphs.capture()
+    # The eager warm-up's freed blocks are cached, not held: the pool may reuse them.
+    torch.cuda.empty_cache()
+    free_after = torch.cuda.mem_get_info(device)[0]
+    del graphs, scratch
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    return max(free_before - free_after, 0)

@@ -38,6 +38,18 @@ def test_budget_subtracts_weights_activations_and_other_processes():
         kv_cache_budget(p, 1.5)
 
 
+def test_budget_sets_aside_the_cuda_graphs():
+    eager = MemoryProfile(total=80 * GB, weights=16 * GB, peak_activations=2 * GB, others=3 * GB)
+    assert eager.cuda_graphs == 0  # enforce_eager: nothing set aside
+    graphs = MemoryProfile(80 * GB, 16 * GB, 2 * GB, 3 * GB, cuda_graphs=GB // 2)
+    assert kv_cache_budget(graphs, 0.9) == int(80 * GB * 0.9) - 21 * GB - GB // 2
+    assert kv_cache_budget(graphs, 0.9) == kv_cache_budget(eager, 0.9) - GB // 2
+    # 64 KiB blocks: half a GiB of graphs is exactly 8192 blocks fewer
+    assert num_kv_blocks(kv_cache_budget(eager, 0.9), 64 << 10) - num_kv_blocks(
+        kv_cache_budget(graphs, 0.9), 64 << 10
+    ) == (GB // 2) // (64 << 10)
+
+
 def test_block_count_is_capped_by_what_the_sequences_can_fill():
     assert max_useful_blocks(max_model_len=2048, max_num_seqs=128, block_size=16) == 128 * 128
     assert max_useful_blocks(max_model_len=17, max_num_seqs=2, block_size=16) == 4  # rounds up
