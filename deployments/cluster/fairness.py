@@ -432,6 +432,7 @@ class FairnessCore:
     def stats(self) -> dict:
         return {
             "queued": len(self.policy),
+            "queued_by_tenant": dict(self._queued),
             "assigned": {r.replica_id: r.load for r in self.replicas.values()},
             "admitted": self.num_admitted,
             "preemptions": self.num_preemptions,

@@ -60,6 +60,11 @@ def run_cli(tmp_path: Path) -> None:
         assert f"{base}/v1" in banner and "curl" in banner and "dashboard:" in banner
         assert "RANDOM weights" in banner  # the tiny model's text is noise, and it says so
         assert "no token needed" in banner  # RAY_AUTH_MODE=disabled here (conftest)
+        # The app's processes run at the niceness of `fairbatch serve`, not Ray's default 15
+        # for workers (below any client on the machine).
+        nice = {name: n for name, n in _session_niceness(proc.pid).items() if name in APP_ROLES}
+        assert set(nice) == set(APP_ROLES) and set(nice.values()) == {os.getpriority(
+            os.PRIO_PROCESS, proc.pid)}, nice  # fmt: skip
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=STOP_TIMEOUT_S) == 0, _read(log)
         assert "stopped." in _read(log)
@@ -68,6 +73,27 @@ def run_cli(tmp_path: Path) -> None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
         log.close()
+
+
+APP_ROLES = ("ray::ClusterReplica", "ray::ClusterController", "ray::ServeReplica")
+
+
+def _session_niceness(sid: int) -> dict[str, int]:
+    """Role (process title up to the first ':' after 'ray::') -> niceness, over the processes
+    of session `sid` (the test starts `fairbatch serve` in a session of its own)."""
+    psutil = pytest.importorskip("psutil")
+    out: dict[str, int] = {}
+    for p in psutil.process_iter(["name", "cmdline"]):
+        try:
+            if os.getsid(p.pid) != sid:
+                continue
+            title = " ".join(p.info["cmdline"] or [p.info["name"] or ""])
+            for role in APP_ROLES:
+                if title.startswith(role):
+                    out[role] = p.nice()
+        except (psutil.Error, ProcessLookupError):
+            continue
+    return out
 
 
 def _read(f) -> str:

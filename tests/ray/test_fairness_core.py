@@ -209,3 +209,14 @@ def test_a_sibling_sample_goes_to_its_parents_replica_and_is_not_charged_the_pro
     core.submit(sib3)  # queued: every seat is taken
     core.cancel("p-3")
     assert core.counters()["t"] == 8 + 3 * 2 * 5
+
+
+def test_stats_count_each_tenants_queued_requests():
+    core = FairnessCore(ControllerConfig(policy="weighted_fair"))  # no replica: all wait
+    for rid, tenant in [("a1", "a"), ("a2", "a"), ("b1", "b"), ("a3", "a"), ("b2", "b")]:
+        core.submit(meta(rid, tenant=tenant))
+    assert core.stats()["queued_by_tenant"] == {"a": 3, "b": 2}
+    core.cancel("b1")
+    core.cancel("b2")
+    core.cancel("a2")
+    assert core.stats()["queued_by_tenant"] == {"a": 2}
