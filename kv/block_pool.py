@@ -186,6 +186,9 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[bytes, KVBlock] = {}
+        # Bumped whenever `cached` gains or loses an entry: a lookup's answer depends on nothing
+        # else, so answers memoized at one version hold until it moves (KVCacheManager's memo).
+        self.version = 0
         self.reserves: dict[str, int] = {}  # tenant -> blocks kept for it (KV shares)
         self.held: dict[str, int] = {}  # tenant -> blocks it owns, in use or cached
 
@@ -216,6 +219,7 @@ class BlockPool:
             if block_hash is not None:  # a cached block, reused for other tokens: forget it
                 del cached[block_hash]  # (a block carries a hash only while indexed under it)
                 block.block_hash = block.token_bytes = None
+                self.version += 1
             if block.owner is not None:
                 held[block.owner] -= 1
             block.owner = owner
@@ -339,6 +343,7 @@ class BlockPool:
                 block.block_hash = block_hash
                 block.token_bytes = packed[i]
                 cached[block_hash] = block
+                self.version += 1
 
     def reset_cache(self) -> None:
         """Forget every cached hash (blocks in use keep their contents but stop being shareable)."""
@@ -349,6 +354,7 @@ class BlockPool:
                 self.held[block.owner] -= 1
                 block.owner = None
         self.cached.clear()
+        self.version += 1
 
     def counts(self) -> tuple[int, int, int]:
         """(free, cached, in use) block counts."""

@@ -45,6 +45,11 @@ class KVCacheManager:
         self.req_packed: dict[str, list[bytes]] = {}
         self.num_cached: dict[str, int] = {}  # how many leading blocks are registered in the cache
         self.swapped: dict[str, list[KVBlock]] = {}  # request id -> its CPU blocks
+        # num_cached_prefix_tokens' memo, for the gpu pool's cache at `_hit_memo_version`:
+        # first block hash -> (hashes, packed tokens, blocks hit) of the request with that first
+        # block that hit the most blocks (see there)
+        self._hit_memo: dict[bytes, tuple[list[bytes], list[bytes], int]] = {}
+        self._hit_memo_version = -1
 
     def set_kv_shares(self, shares: dict[str, float]) -> None:
         """Keep floor(share x GPU blocks) for each tenant: its cached blocks are evicted last
@@ -125,7 +130,14 @@ class KVCacheManager:
         """The token count `get_computed_blocks` would return now, changing nothing: no hash is
         stored, no block touched (for a policy that orders waiting requests by cache hits).
         Uses the hashes made at intake; blocks past them are hashed on the side, only as far as
-        the hits go. O(blocks hit + 1)."""
+        the hits go.
+
+        lpm / dlpm ask this for every waiting request at every pick, and the requests of one
+        system prompt share its leading blocks: while the cache index is unchanged, a request
+        whose leading blocks (hashes and tokens) equal those of an earlier request with the
+        same first block takes that one's hits for them from one list comparison, and looks
+        up only the blocks after. O(blocks hit + 1) lookups for the first request of a
+        prefix, O(1) lookups (plus C-speed comparisons) for the others."""
         if not self.enable_prefix_caching or request.request_id in self.req_blocks:
             return 0
         rid = request.request_id
@@ -133,8 +145,20 @@ class KVCacheManager:
         packed = self.req_packed.get(rid, [])
         tokens, bs = request.all_token_ids, self.block_size
         pool = self.gpu_pool
-        num_hit, stored = 0, True
-        for i in range((len(tokens) - 1) // bs):
+        memo = self._hit_memo
+        if self._hit_memo_version != pool.version:
+            memo.clear()
+            self._hit_memo_version = pool.version
+        num_blocks = (len(tokens) - 1) // bs
+        num_hit = 0
+        seen = memo.get(hashes[0]) if hashes else None
+        if seen is not None:
+            n = min(seen[2], num_blocks)
+            # the same (hash, tokens) pairs as blocks that hit at this version: hits too
+            if hashes[:n] == seen[0][:n] and packed[:n] == seen[1][:n]:
+                num_hit = n
+        stored = True
+        for i in range(num_hit, num_blocks):
             if i == len(hashes):
                 if stored:  # extend copies, never the request's own chain
                     hashes, packed, stored = list(hashes), list(packed), False
@@ -142,6 +166,9 @@ class KVCacheManager:
             if pool.lookup_packed(hashes[i], packed[i]) is None:
                 break
             num_hit += 1
+        if num_hit and (seen is None or num_hit > seen[2]):
+            # (chains only ever grow, so the first num_hit entries stay what they are now)
+            memo[hashes[0]] = (hashes, packed, num_hit)
         return num_hit * bs
 
     def allocate_slots(

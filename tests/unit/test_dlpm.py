@@ -434,3 +434,96 @@ def test_lpm_breaks_the_bound_where_dlpm_keeps_it() -> None:
     history, longest, most, sched = backlogged_run("dlpm", 0, 3000, quantum, weights, prompts)
     assert worst_excess(history, weights, quantum, longest, most) <= 0
     assert sched.policy.service()["b"] > 0.4 * sched.policy.service()["a"]
+
+
+# ---- the hit-length memo (KVCacheManager.num_cached_prefix_tokens) ------------------------------
+
+
+def count_lookups(kv: KVCacheManager) -> list[int]:
+    """Count the gpu pool's cache lookups from now on (the returned list's one entry)."""
+    calls, lookup = [0], kv.gpu_pool.lookup_packed
+
+    def counted(block_hash, token_bytes):
+        calls[0] += 1
+        return lookup(block_hash, token_bytes)
+
+    kv.gpu_pool.lookup_packed = counted
+    return calls
+
+
+CACHED_PREFIX_TOKENS = KVCacheManager.num_cached_prefix_tokens  # (tests patch the class)
+
+
+def unmemoized(kv: KVCacheManager, request) -> int:
+    """The hit length walked block by block, as without the memo (which it leaves as it was)."""
+    saved, saved_version = kv._hit_memo, kv._hit_memo_version
+    kv._hit_memo, kv._hit_memo_version = {}, -1
+    try:
+        return CACHED_PREFIX_TOKENS(kv, request)
+    finally:
+        kv._hit_memo, kv._hit_memo_version = saved, saved_version
+
+
+def test_a_pick_looks_up_a_shared_prefix_once() -> None:
+    sched = make_sched("dlpm")
+    runner = FakeRunner(VOCAB)
+    doc = list(range(1, 34))  # 8 full blocks of 4 and a token (tenant a's: salted by tenant)
+    sched.add_request(Request("warm", doc, max_tokens=2, tenant="a"))
+    while sched.has_unfinished:
+        sched.update_from_output(out := sched.schedule(), runner.execute(out))
+    for i in range(10):  # block 8 holds the document's last token and the question: a miss
+        question = [100 + 10 * i + j for j in range(6)]
+        sched.add_request(Request(f"q{i}", doc + question, max_tokens=1, tenant="a"))
+    kv = sched.kv
+    calls = count_lookups(kv)
+    assert sched.policy.peek() is not None
+    # the first request walks 8 hits and the miss; each other one looks up only block 8
+    assert calls[0] == 9 + 9 * 1
+    calls[0] = 0
+    assert [unmemoized(kv, r) for r in sched.policy] == [32] * 10
+    assert calls[0] == 10 * 9  # what every pick cost before
+    calls[0] = 0
+    assert [kv.num_cached_prefix_tokens(r) for r in sched.policy] == [32] * 10
+    assert calls[0] == 10  # the memo still holds: nothing entered or left the cache
+    other = Request("other", [900] * 40, max_tokens=1, tenant="b")
+    sched.add_request(other)
+    calls[0] = 0
+    assert kv.num_cached_prefix_tokens(other) == 0 and calls[0] == 1
+    kv.gpu_pool.reset_cache()  # the cache moved: the memo is dropped
+    assert [kv.num_cached_prefix_tokens(r) for r in sched.policy] == [0] * 11
+
+
+@pytest.mark.parametrize("name", ["lpm", "dlpm"])
+@pytest.mark.parametrize("blocks", [96, 40])  # 40: evictions and preemptions every few steps
+def test_the_memo_changes_no_hit_length_and_no_decision(name, blocks, monkeypatch) -> None:
+    prompts = shared_prefix_prompts(documents(3, WEIGHTS))
+
+    def run(memo: bool) -> tuple[list, int]:
+        schedules, lookups = [], []
+        schedule, make = Scheduler.schedule, KVCacheManager.__init__
+
+        def recorded(self):
+            out = schedule(self)
+            schedules.append(dict(out.num_scheduled_tokens))
+            return out
+
+        def counted(self, *args, **kw):
+            make(self, *args, **kw)
+            lookups.append(count_lookups(self))
+
+        with monkeypatch.context() as m:
+            m.setattr(Scheduler, "schedule", recorded)
+            m.setattr(KVCacheManager, "__init__", counted)
+            if not memo:
+                m.setattr(KVCacheManager, "num_cached_prefix_tokens", unmemoized)
+            *_, sched = backlogged_run(name, 3, 400, 512.0, WEIGHTS, prompts, blocks)
+        if memo:  # every answer the policy got equals the block-by-block walk
+            kv = sched.kv
+            for r in sched.policy:
+                assert kv.num_cached_prefix_tokens(r) == unmemoized(kv, r)
+        return schedules, sum(c[0] for c in lookups)
+
+    with_memo, memo_lookups = run(True)
+    without, plain_lookups = run(False)
+    assert with_memo == without  # the same batches, step by step
+    assert memo_lookups < plain_lookups
