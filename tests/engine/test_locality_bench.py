@@ -1,7 +1,8 @@
 """`fairbatch bench serve --compare locality` end to end on tiny settings: four fresh local
 servers (fcfs, weighted_fair, lpm, dlpm), the same requests to each. Checked: every request
-completes, the rows carry the documented keys, the KV pool defaults to half the prompts'
-blocks, and each policy gets its own bound (none for fcfs and lpm). No timing is asserted."""
+completes, the rows carry the documented keys, the KV pool defaults to a third of the
+prompts' blocks, and each policy gets its own bound (none for fcfs and lpm). No timing is
+asserted."""
 
 from __future__ import annotations
 
@@ -21,13 +22,14 @@ def test_compare_locality_runs_each_policy_on_the_same_requests(tmp_path, capsys
     out = tmp_path / "out"
     argv = [
         "bench", "serve", "--compare", "locality", "--num-prompts", "12", "--shared-prefix",
-        "2,32", "--max-num-seqs", "4", "--no-plots", "--no-progress", "--out", str(out),
+        "2,32", "--input-len", "fixed:16", "--output-len", "fixed:16", "--max-num-seqs", "4",
+        "--no-plots", "--no-progress", "--out", str(out),
     ]  # fmt: skip
     assert cli.main(argv) == 0
     result = json.loads((out / "result.json").read_text())
     rows = result["table"]
     assert [r["system"] for r in rows] == list(POLICIES)
-    assert result["workload"]["num_gpu_blocks"] == 4 * 2 * 2 // 2  # half the prompts' blocks
+    assert result["workload"]["num_gpu_blocks"] == 4 * 2 * 2 // 3  # a third of the prompts' blocks
     assert result["workload"]["prefix_hot"] == {"t1": 0.2, "t2": 0.5, "t3": 0.3, "t4": 0.8}
     for r in rows:
         assert KEYS <= set(r) and r["replicas"] == 1 and r["workload"] == "shared_prefix"
