@@ -96,8 +96,8 @@ def worker_priority_env() -> None:
     (`worker_niceness`), so any ordinary process on the same machine - a load generator, a
     script, a build - takes the CPU first. On a machine whose job is serving that inverts the
     priorities: with a client at niceness 0 on a 2-core machine, the ingress's event loop lagged
-    40-100 ms at p99 and refusals took 75-400 ms at p99; with the app at the client's niceness,
-    loop lag p99 was 4-15 ms and refusals 9-26 ms (docs/BENCHMARKS.md). `fairbatch serve` starts
+    up to 81 ms at p99 and refusals took 77 ms at p99; with the app at the client's niceness,
+    12 ms and 20 ms (docs/BENCHMARKS.md). `fairbatch serve` starts
     a Ray of its own, so its workers get the niceness of the process that starts it. A set
     variable wins. Read by Ray when it starts: call before `ray.init`."""
     os.environ.setdefault("RAY_worker_niceness", "0")
