@@ -133,12 +133,9 @@ def run_one(day: Day, system: str, scaling: AutoscalingConfig | None = None) -> 
                 held = requeued.pop(a.ticket.request_id, None)
                 if held is not None:
                     rep.core.import_request(held)
+                    rep.runner.idle_until(now)
                 else:
-                    meta = a.ticket.meta
-                    rep.core.add_request(
-                        meta.prompt_ids, meta.params, request_id=meta.request_id, tenant=meta.tenant
-                    )
-                rep.runner.idle_until(now)
+                    rep.assign(a.ticket, now)
             elif isinstance(a, Preempt):
                 replicas[a.replica_id].core.preempt(a.request_id, a.mode)
             elif isinstance(a, Migrate):  # as Replica.migrate_out: swap out if it can, export

@@ -98,6 +98,20 @@ class SimReplica:
         self.seq = 0
         self.next_report = 0.0
 
+    def assign(self, t, now: float) -> None:
+        """Start the controller's assigned ticket `t` here at virtual time `now`, as a replica
+        actor does with a submitted request."""
+        meta = t.meta
+        self.core.add_request(
+            meta.prompt_ids,
+            meta.params,
+            request_id=t.request_id,
+            tenant=t.tenant,
+            priority=t.priority,
+            cache_salt=meta.cache_salt,
+        )
+        self.runner.idle_until(now)
+
     def report(self) -> ReplicaReport:
         s = self.core.scheduler
         self.seq += 1
@@ -144,19 +158,9 @@ def run_one(num_replicas: int, system: str, wl: Workload) -> dict:
     def apply(actions: list, call_wall: float) -> None:
         for a in actions:
             if isinstance(a, Assign):
-                t = a.ticket
-                meta = t.meta
-                rep = replicas[a.replica_id]
-                rep.core.add_request(
-                    meta.prompt_ids,
-                    meta.params,
-                    request_id=t.request_id,
-                    tenant=t.tenant,
-                    priority=t.priority,
-                )
-                rep.runner.idle_until(now)
+                replicas[a.replica_id].assign(a.ticket, now)
                 admit_lat.append(call_wall)
-                queue_wait.append(now - submitted_at.pop(t.request_id))
+                queue_wait.append(now - submitted_at.pop(a.ticket.request_id))
             elif isinstance(a, Preempt):
                 replicas[a.replica_id].core.preempt(a.request_id, a.mode)
             elif isinstance(a, Migrate):

@@ -131,17 +131,8 @@ def run_one(
         nonlocal prompt_tokens
         for a in actions:
             if isinstance(a, Assign):
-                t, meta = a.ticket, a.ticket.meta
-                rep = replicas[a.replica_id]
-                rep.core.add_request(
-                    meta.prompt_ids,
-                    meta.params,
-                    request_id=t.request_id,
-                    tenant=t.tenant,
-                    cache_salt=t.tenant,
-                )
-                rep.runner.idle_until(now)
-                prompt_tokens += len(meta.prompt_ids)
+                replicas[a.replica_id].assign(a.ticket, now)  # salted by its tenant (meta)
+                prompt_tokens += len(a.ticket.meta.prompt_ids)
 
     def submit(tenant: str) -> None:
         rid = f"q{next(ids)}"
