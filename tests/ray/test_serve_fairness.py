@@ -3,10 +3,11 @@ settings (tiny model, 2 replicas x 16 seats, a local queue of 2 each, weighted f
 priority, Serve's direct ingress): through HTTP, and through the handle API.
 
 Two tenants with weights 3:1 each keep more streams outstanding than the app has seats plus
-local-queue places (36), so both stay backlogged at the controller; the tokens each is served
-(from every stream's `usage`) over a 30 s window after warm-up must be 3:1 within 15%. A
-priority-10 tenant sends one request at a time meanwhile: its median TTFT under that load must
-stay within 2x of its median TTFT on the idle app, measured in the same test.
+local-queue places (36), so both stay backlogged at the controller (checked: its queue per
+tenant is sampled); the tokens each is served (from every stream's `usage`) over a 30 s window
+after warm-up must be 3:1 within 15%. A priority-10 tenant sends one request at a time
+meanwhile, from a process of its own: its median TTFT under that load must stay within 2x of
+its median TTFT on the idle app, measured in the same test.
 """
 
 from __future__ import annotations
