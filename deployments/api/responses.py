@@ -68,7 +68,6 @@ class ResponseRun:
         self.object = "chat.completion" if chat else "text_completion"
         self.outcome = "client_gone"
         self.closed = False
-        self._backend_closing: asyncio.Future | None = None
 
     async def close(self) -> None:
         """Release the request's slot and close the backend stream (aborting it unless it
@@ -78,16 +77,7 @@ class ResponseRun:
         self.closed = True
         self.api.registry.release(self.ticket)
         self.api.finish_log(self.ticket, self.outcome)
-        await self._close_backend()
-
-    async def _close_backend(self) -> None:
-        """Close the backend stream once. Both `close` and the end of `deltas` ask for it, and
-        the backend's own closing awaits (it cancels the request upstream): a second `aclose`
-        meanwhile would fail with "asynchronous generator is already running"; it waits for
-        the first instead."""
-        if self._backend_closing is None:
-            self._backend_closing = asyncio.ensure_future(close_stream(self.it))
-        await asyncio.shield(self._backend_closing)
+        await close_stream(self.it)
 
     async def deltas(self) -> AsyncIterator[Any]:
         """The first delta, then the backend's; closing this closes the backend stream (which
@@ -97,7 +87,7 @@ class ResponseRun:
             async for d in self.it:
                 yield d
         finally:
-            await self._close_backend()
+            await close_stream(self.it)
 
     def account(self, delta: Any) -> None:
         if self.discard_output:
