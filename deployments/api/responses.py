@@ -77,6 +77,8 @@ class ResponseRun:
         self.closed = True
         self.api.registry.release(self.ticket)
         self.api.finish_log(self.ticket, self.outcome)
+        # The end of deltas() closes it too, on purpose: while the coalescer's reader is inside
+        # the stream, this close fails ("already running", logged) and that one does it.
         await close_stream(self.it)
 
     async def deltas(self) -> AsyncIterator[Any]:
