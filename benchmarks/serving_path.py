@@ -263,14 +263,10 @@ def local_http_run(ids: list[list[int]], wl: dict, seats: int) -> dict:
 
 
 def serve_runs(ids: list[list[int]], wl: dict, paths: list[str]) -> list[dict]:
-    from fairbatch.deployments.serve.cli import direct_ingress_env, worker_priority_env
+    from fairbatch.deployments.serve.cli import serve_env
 
     port = _free_port()
-    # As `fairbatch serve` starts Ray (before Ray and Serve are imported): the app's processes
-    # at the client's niceness, and direct ingress unless --proxy.
-    worker_priority_env()
-    if not wl["proxy"]:
-        direct_ingress_env(port)
+    serve_env(port, wl["proxy"])  # as `fairbatch serve` starts Ray
     import ray
     from ray import serve
 

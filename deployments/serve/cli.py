@@ -103,6 +103,15 @@ def worker_priority_env() -> None:
     os.environ.setdefault("RAY_worker_niceness", "0")
 
 
+def serve_env(port: int, proxy: bool = False) -> None:
+    """The environment `fairbatch serve` starts its Ray in (the tests and the serving-path
+    benchmark start theirs the same way): the app at its starter's niceness, and direct ingress
+    on `port` unless `proxy`. Call before `ray.init`."""
+    worker_priority_env()
+    if not proxy:
+        direct_ingress_env(port)
+
+
 def _spare_port(host: str) -> int:
     import socket
 
@@ -129,9 +138,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"fairbatch serve: {e}", file=sys.stderr)
         return 2
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    worker_priority_env()
-    if not args.proxy:
-        direct_ingress_env(args.port)
+    serve_env(args.port, args.proxy)
     # Ctrl-C and SIGTERM both end in the same clean shutdown, also during start-up.
     signal.signal(signal.SIGINT, _raise_stop)
     signal.signal(signal.SIGTERM, _raise_stop)

@@ -52,12 +52,11 @@ def app_args() -> dict:
 
 @pytest.fixture(scope="module")
 def app(ray_starter):
-    from fairbatch.deployments.serve.cli import direct_ingress_env, worker_priority_env
+    from fairbatch.deployments.serve.cli import serve_env
 
     saved = dict(os.environ)
     port = free_port()
-    worker_priority_env()  # as `fairbatch serve` starts Ray: the app at the client's niceness
-    direct_ingress_env(port)  # no proxy, the ingress on `port`
+    serve_env(port)  # as `fairbatch serve` starts Ray: direct ingress on `port`
     ray_starter(num_gpus=2)
     loop = ServerLoop()
     try:
