@@ -11,7 +11,9 @@ rather than grow the replica's memory.
 Consumer side, `ReplicaLink`: submits this process's requests to the replica in batches (one
 actor call per event-loop turn, not per request), reads the channel and fans each item out to
 its request's queue. A broken channel (the replica died) puts `LinkLost` into every queue, so
-each request resubmits elsewhere.
+each request resubmits elsewhere. A request the controller submitted for this process (see
+`RequestMeta.consumer`) can send items before the process has heard where it runs: items of
+an `expected` request with no queue yet wait for its `open`.
 
 Before this, every token crossed Ray as a streaming item of its own per request: on a 2-core
 machine the two hops cost about as much CPU as the model's forward pass.
@@ -76,12 +78,21 @@ class RequestRefused(ValueError):
 class ReplicaLink:
     """This process's end of one replica's channel (one per replica per event loop)."""
 
-    def __init__(self, replica_id: str, handle: Any, consumer: str, owner: Any) -> None:
+    def __init__(
+        self,
+        replica_id: str,
+        handle: Any,
+        consumer: str,
+        owner: Any,
+        expected: set[str] | frozenset = frozenset(),
+    ) -> None:
         self.replica_id = replica_id
         self.handle = handle
         self.consumer = consumer
         self.owner = owner  # this process's actor handle, or None
         self.queues: dict[str, asyncio.Queue] = {}
+        self.expected = expected  # ids of requests admitted for this process, not yet opened
+        self.early: dict[str, list] = {}  # their items so far
         self.error: BaseException | None = None
         self.loop = asyncio.get_running_loop()
         self._outgoing: list[tuple[RequestMeta, asyncio.Future]] = []
@@ -96,12 +107,15 @@ class ReplicaLink:
         """The queue the request's items will arrive on (open it before submitting)."""
         queue: asyncio.Queue = asyncio.Queue()
         self.queues[request_id] = queue
+        for item in self.early.pop(request_id, ()):
+            queue.put_nowait(item)
         if self.error is not None:
             queue.put_nowait(LinkLost(repr(self.error)))
         return queue
 
     def close(self, request_id: str) -> None:
         self.queues.pop(request_id, None)
+        self.early.pop(request_id, None)
 
     async def submit(self, meta: RequestMeta) -> None:
         """Start the request on the replica (batched with others of this loop turn). Raises
@@ -151,9 +165,12 @@ class ReplicaLink:
             gen = self.handle.channel.remote(self.consumer, self.owner)
             async for ref in gen:
                 for item in await ref:
-                    queue = self.queues.get(item.request_id)
+                    rid = item.request_id
+                    queue = self.queues.get(rid)
                     if queue is not None:
                         queue.put_nowait(item)
+                    elif rid in self.expected:
+                        self.early.setdefault(rid, []).append(item)
             raise LinkLost("the replica closed the channel")
         except asyncio.CancelledError:
             raise

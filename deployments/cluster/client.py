@@ -1,8 +1,10 @@
 """The client side of the cluster, used by the ingress and by Python callers.
 
-`ClusterClient.generate(...)` asks the controller for a turn (`admit`), then submits the request
-to the assigned replica and reads its items from this process's one channel to that replica
-(`channel.ReplicaLink`: one message per engine step for all of this process's requests there).
+`ClusterClient.generate(...)` asks the controller for a turn (`admit`); when the controller
+assigns the request it also submits it to the replica for this client (`forward`; one hop
+sooner than the client could), and the client reads its items from this process's one channel
+to that replica (`channel.ReplicaLink`: one message per engine step for all of this process's
+requests there).
 It follows the request wherever it goes:
   * a `Moved` item (migration): adopt it on the destination replica, read it from that channel;
   * the replica dies mid-stream: tell the controller, and resubmit prompt + the tokens already
@@ -11,8 +13,8 @@ It follows the request wherever it goes:
     resubmission does not ask for prompt logprobs again once the caller has them);
   * the controller is restarting: Ray retries `admit` (idempotent per request id) and the
     client retries on errors until `admit_timeout_s`.
-Inside an actor (the ingress), every submission names that actor as its owner, so a replica
-can abort the requests of a client process that died (Ray does not stop its channel).
+Inside an actor (the ingress), every channel names that actor as its owner, so a replica can
+abort the requests of a client process that died (Ray does not stop its channel).
 Every stream ends with a finished item: tokens, or finish_reason "error". Nothing waits forever.
 """
 
@@ -55,6 +57,7 @@ class ClusterClient:
         item_timeout_s: float = 120.0,
         max_resubmits: int = 8,
         batch_admissions: bool = True,
+        forward: bool = True,
     ) -> None:
         self.controller = controller  # actor handle, or its name
         self.block_size = block_size
@@ -62,6 +65,10 @@ class ClusterClient:
         self.item_timeout_s = item_timeout_s
         self.max_resubmits = max_resubmits
         self.batch_admissions = batch_admissions  # one call per batch instead of per request
+        # The controller submits each assigned request to its replica for this client (one hop
+        # less before the first token); False: this client submits after hearing where
+        self.forward = forward
+        self._expected: set[str] = set()  # requests admitted here and not ended (see forward)
         self._batcher: AdmissionBatcher | None = None
         self._where: dict[str, Any] = {}  # request id -> the replica holding it now (streams)
         self._links: dict[str, ReplicaLink] = {}  # replica id -> this loop's channel to it
@@ -85,20 +92,24 @@ class ClusterClient:
             self._owner_known = True
         return self._owner
 
-    def _link(self, replica_id: str, handle: Any) -> ReplicaLink:
-        """This event loop's channel to the replica (a new one after the old one broke)."""
+    def _consumer(self) -> str:
+        """This event loop's consumer id: the name of its channels on every replica."""
         loop = asyncio.get_running_loop()
         if self._links_loop is not loop:  # links (their tasks) belong to one event loop
             self._links = {}
             self._links_loop = loop
             self._consumer_gen += 1
+        return f"{self._consumer_base}.{self._consumer_gen}"
+
+    def _link(self, replica_id: str, handle: Any) -> ReplicaLink:
+        """This event loop's channel to the replica (a new one after the old one broke)."""
+        consumer = self._consumer()
         link = self._links.get(replica_id)
         if link is None or not link.alive or link.handle != handle:
             if link is not None:
                 link.shutdown()
-            owner = self.owner()
-            consumer = f"{self._consumer_base}.{self._consumer_gen}"
-            link = ReplicaLink(replica_id, handle, consumer, None if owner is None else owner[1])
+            owner = None if self.owner() is None else self.owner()[1]
+            link = ReplicaLink(replica_id, handle, consumer, owner, self._expected)
             self._links[replica_id] = link
         return link
 
@@ -135,6 +146,7 @@ class ClusterClient:
             cache_salt=cache_salt,
             prefix_hashes=self.prefix_hashes(list(prompt_ids), cache_salt or tenant),
             fork_of=fork_of,
+            consumer=self._consumer() if self.forward else None,
         )
         meta.set_deadlines(time.time())  # absolute: resubmissions keep them
         delivered: list[int] = []
@@ -143,6 +155,7 @@ class ClusterClient:
         finished = False
         replica_id, handle = "", None
         rid = meta.request_id
+        self._expected.add(rid)
         try:
             while True:
                 try:
@@ -164,7 +177,8 @@ class ClusterClient:
                 link = self._link(replica_id, handle)
                 queue = link.open(rid)
                 try:
-                    await link.submit(meta)
+                    if not assignment.submitted:
+                        await link.submit(meta)
                     while True:
                         if queue.empty():  # (a timeout costs a task: only when waiting)
                             item = await _get(queue, self.item_timeout_s)
@@ -211,6 +225,9 @@ class ClusterClient:
                     link.close(rid)
         finally:
             self._where.pop(rid, None)
+            self._expected.discard(rid)
+            for link in self._links.values():
+                link.early.pop(rid, None)
             if not finished:  # the caller went away: free the request wherever it is
                 await self._abandon(rid, handle)
 

@@ -93,7 +93,7 @@ class Controller:
         rid = meta.request_id
         where = self.core.where(rid)
         if where is not None and where in self.handles:
-            return Assignment(rid, where, self.handles[where])  # a retried call
+            return self._placed(rid, where)  # a retried call
         fut = self._waiters.get(rid)
         if fut is None:
             fut = self._waiters[rid] = asyncio.get_running_loop().create_future()
@@ -119,7 +119,7 @@ class Controller:
             rid = meta.request_id
             where = self.core.where(rid)
             if where is not None and where in self.handles:
-                outbox.put_nowait(Assignment(rid, where, self.handles[where]))
+                outbox.put_nowait(self._placed(rid, where))
                 continue
             self._owner[rid] = subscriber
             if rid not in self.core.tickets:
@@ -141,7 +141,19 @@ class Controller:
             outbox = self._outboxes[subscriber] = asyncio.Queue()
         return outbox
 
+    def _placed(self, rid: str, where: str) -> Assignment:
+        """The assignment of a request already placed, sent again (a retried admission)."""
+        meta = self.core.tickets[rid].meta
+        # Submitted when this controller forwarded it, or when it was adopted from a replica's
+        # report after a restart (meta None: the replica has it).
+        submitted = meta is None or meta.consumer is not None
+        return Assignment(rid, where, self.handles[where], submitted=submitted)
+
     async def cancel(self, request_id: str) -> None:
+        t = self.core.tickets.get(request_id)
+        if t is not None and t.replica in self.handles and t.meta and t.meta.consumer:
+            # Forwarded: the replica may hold it before its client heard where it runs
+            self.handles[t.replica].abort.remote(request_id)
         self._owner.pop(request_id, None)
         fut = self._waiters.pop(request_id, None)
         if fut is not None and not fut.done():
@@ -395,11 +407,15 @@ class Controller:
             self._outbox(subscriber).put_nowait(assignment)
 
     def _apply(self, actions: list) -> None:
+        forwards: dict[tuple[Any, str], list[RequestMeta]] = {}
         for action in actions:
             if isinstance(action, Assign):
-                rid = action.ticket.request_id
+                rid, meta = action.ticket.request_id, action.ticket.meta
                 handle = self.handles.get(action.replica_id)
-                self._answer(rid, Assignment(rid, action.replica_id, handle))
+                forward = handle is not None and meta is not None and meta.consumer is not None
+                if forward:
+                    forwards.setdefault((handle, meta.consumer), []).append(meta)
+                self._answer(rid, Assignment(rid, action.replica_id, handle, submitted=forward))
             elif isinstance(action, Expire):  # dropped from the queue: the caller ends it
                 rid = action.ticket.request_id
                 self._answer(rid, Assignment(rid, "", None, finish_reason=action.finish_reason))
@@ -409,6 +425,24 @@ class Controller:
                     handle.preempt.remote(action.request_id, action.mode)
             elif isinstance(action, Migrate):
                 self._spawn(self._migrate(action))
+        for (handle, consumer), metas in forwards.items():
+            # Sent now, awaited in a task: the request reaches its replica one hop sooner than
+            # through its client (which hears the assignment meanwhile and only reads items)
+            self._spawn(self._forwarded(handle.submit.remote(consumer, metas, None, True), metas))
+
+    async def _forwarded(self, ref: Any, metas: list[RequestMeta]) -> None:
+        """The replica's answer to a forwarded submission. A request it refused ended there
+        with an error item to its client; here it leaves its slot."""
+        try:
+            errors = await ref
+        except Exception as e:  # the replica died: its clients resubmit (the link breaks)
+            log.info("forwarding %d request(s) failed: %r", len(metas), e)
+            return
+        refused = [m.request_id for m, error in zip(metas, errors) if error]
+        for rid in refused:
+            self.core.cancel(rid)
+        if refused:
+            self._apply(self.core.dispatch())
 
     async def _migrate(self, action: Migrate) -> bool:
         src, dst = self.handles.get(action.src), self.handles.get(action.dst)

@@ -176,11 +176,15 @@ class Replica:
     # ---- data plane -------------------------------------------------------------------------
 
     async def submit(
-        self, consumer: str, metas: list[RequestMeta], owner: Any = None
+        self, consumer: str, metas: list[RequestMeta], owner: Any = None, forwarded: bool = False
     ) -> list[str | None]:
         """Start new (or resubmitted) requests whose items go to `consumer`'s channel. Returns
         one entry per request: None when it was added, else why it was refused. `owner`: the
-        consumer's actor handle, watched so its requests end if it dies; None for a driver."""
+        consumer's actor handle, watched so its requests end if it dies; None for a driver (or
+        not known yet: its channel brings it). `forwarded`: sent by the controller for the
+        consumer, which is not waiting for this answer: a refusal also goes to the consumer as
+        the request's last item, and a request already here for the consumer counts as added
+        (the controller restarted and placed it again)."""
         self._start_reporter()
         box = self._outbox(consumer, owner)
         errors: list[str | None] = [None] * len(metas)
@@ -188,7 +192,10 @@ class Replica:
         seen: set[str] = set()
         for i, meta in enumerate(metas):
             rid = meta.request_id
-            if rid in self._routes or rid in seen:
+            route = self._routes.get(rid)
+            if forwarded and route is not None and route.box is box:
+                continue
+            if route is not None or rid in seen:
                 errors[i] = f"duplicate request id {rid!r}"
                 continue
             seen.add(rid)
@@ -210,6 +217,14 @@ class Replica:
             batch.append((i, rid, meta_row, len(meta.output_ids), add))
         for i, error in zip((b[0] for b in batch), await self._add_all(box, batch)):
             errors[i] = error
+        if forwarded:
+            for meta, error in zip(metas, errors):
+                route = self._routes.get(meta.request_id)
+                if error and (route is None or route.box is not box):  # (not a copy running)
+                    rid = meta.request_id
+                    box.put(
+                        StreamItem([], "", True, "error", error=f"refused: {error}", request_id=rid)
+                    )
         return errors
 
     async def adopt(self, consumer: str, migrated: Any, owner: Any = None) -> str | None:
@@ -294,6 +309,7 @@ class Replica:
         outbox gathered since the last one (one engine step's deltas, or more). A newer
         channel of the same consumer ends this one."""
         box = self._outbox(consumer, owner)
+        self._watch(box)  # a forwarded submission may have made the box before its owner was known
         box.generation += 1
         generation = box.generation
         box.ready.set()  # wakes an older channel (it ends) and delivers what waited

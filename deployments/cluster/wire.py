@@ -33,6 +33,10 @@ class RequestMeta:
     # arrives: a resubmission or a move keeps them (each process turns them into its own clock)
     deadline: float | None = None  # the request ends with "timeout"
     queue_deadline: float | None = None  # ... unless it was first scheduled by this one
+    # The client's channel id (`ReplicaLink.consumer`): the controller, when it assigns the
+    # request, submits it to the replica itself, with the items going to that channel; the
+    # client only reads them. None: the client submits it (`Assignment.submitted` False).
+    consumer: str | None = None
 
     def set_deadlines(self, now: float) -> None:
         """Fix the deadlines from the params' relative `timeout` / `max_queue_time_s`."""
@@ -94,6 +98,7 @@ class Assignment:
     # set when the request left the controller's queue without a replica: "timeout" (its
     # queue deadline passed); the caller ends its stream with it
     finish_reason: str | None = None
+    submitted: bool = False  # the controller has sent it to the replica (`RequestMeta.consumer`)
 
 
 @dataclass

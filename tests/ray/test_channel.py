@@ -114,3 +114,85 @@ def test_one_bad_request_in_a_batch_is_refused_alone():
     done = {it.request_id: it.finish_reason for it in items if it.finished}
     assert done == {"r0": "length", "r1": "length"}  # the good ones ran, nothing of the others
     assert "long" not in rep._routes and rep.core.scheduler.kv.all_free()
+
+
+def test_a_forwarded_submission_refused_or_repeated_reaches_its_consumer_once():
+    """The controller submits for the consumer (`forwarded`): nobody waits for the answer, so a
+    refused request ends with an error item in the consumer's channel, and the same request
+    forwarded again (a restarted controller placing it anew) is the one already running."""
+
+    async def main():
+        rep = replica()
+        channel = rep.channel("c")
+        too_long = RequestMeta("long", list(range(10, 2010)), SamplingParams(max_tokens=4))
+        first = await rep.submit("c", [meta(0, 6), too_long], forwarded=True)
+        again = await rep.submit("c", [meta(0, 6)], forwarded=True)
+        elsewhere = await rep.submit("other", [meta(0, 6)], forwarded=True)  # another consumer
+        items = []
+        async for msg in channel:
+            items.extend(msg)
+            if sum(1 for it in items if it.finished) == 2:
+                break
+        await channel.aclose()
+        other = rep._boxes["other"].take()
+        await rep.engine.shutdown()
+        return rep, first, again, elsewhere, items, other
+
+    rep, first, again, elsewhere, items, other = run(main())
+    assert first[0] is None and first[1].startswith("ValueError") and again == [None]
+    assert "duplicate" in elsewhere[0]
+    refused = [it for it in items if it.request_id == "long"]
+    assert len(refused) == 1 and refused[0].finished and refused[0].finish_reason == "error"
+    assert "refused: ValueError" in refused[0].error
+    r0 = [it for it in items if it.request_id == "r0"]
+    assert sum(len(it.token_ids) for it in r0) == 6 and r0[-1].finish_reason == "length"
+    assert [(it.request_id, it.finish_reason) for it in other] == [("r0", "error")]
+    assert rep.core.scheduler.kv.all_free()
+
+
+class _Method:
+    def __init__(self, fn) -> None:
+        self.fn = fn
+
+    def remote(self, *args):
+        return self.fn(*args)
+
+
+class _Handle:
+    """A `Replica` in this process dressed as its actor handle, for `ReplicaLink`."""
+
+    def __init__(self, rep: Replica) -> None:
+        async def channel(consumer, owner):
+            async for msg in rep.channel(consumer, owner):
+                ref = asyncio.get_running_loop().create_future()
+                ref.set_result(msg)
+                yield ref
+
+        self.channel = _Method(channel)
+
+
+def test_items_of_an_expected_request_wait_for_its_queue():
+    """Items of a request the controller forwarded can come before its client has opened the
+    request's queue (it has not heard the assignment yet): the link keeps those of the
+    requests its client expects until `open`, and drops the rest."""
+    from fairbatch.deployments.cluster.channel import ReplicaLink
+
+    async def main():
+        rep = replica()
+        link = ReplicaLink("rep", _Handle(rep), "c", None, expected={"r0"})
+        assert await rep.submit("c", [meta(0, 5), meta(1, 5)], forwarded=True) == [None] * 2
+        for _ in range(2000):
+            if not rep._routes:  # both finished and sent
+                break
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.05)  # the link reads the last message
+        queue = link.open("r0")
+        got = [queue.get_nowait() for _ in range(queue.qsize())]
+        late = link.open("r1")
+        link.shutdown()
+        await rep.engine.shutdown()
+        return got, late
+
+    got, late = run(main())
+    assert sum(len(it.token_ids) for it in got) == 5 and got[-1].finish_reason == "length"
+    assert all(it.request_id == "r0" for it in got) and late.empty()

@@ -78,6 +78,33 @@ def test_migration_with_kv_matches_undisturbed(cluster, params):
     assert stats["imported_kv_blocks"] > 0  # K/V travelled (swap-in), not a recompute
 
 
+def test_controller_submits_for_the_client_with_the_same_tokens(cluster):
+    """By default the controller submits an assigned request to its replica itself
+    (`Assignment.submitted`), one hop before the client could; with `forward=False` the
+    client does. Same tokens either way, and through both replicas."""
+
+    async def run(forward: bool) -> tuple[list[dict], list[bool]]:
+        client = ClusterClient(cluster.controller, item_timeout_s=60, forward=forward)
+        flags: list[bool] = []
+        results = await asyncio.gather(
+            *(
+                collect(
+                    client, prompt(30 + i), GREEDY, on_assign=lambda a: flags.append(a.submitted)
+                )
+                for i in range(6)
+            )
+        )
+        return list(results), flags
+
+    forwarded, flags = asyncio.run(run(True))
+    submitted, own = asyncio.run(run(False))
+    assert flags == [True] * 6 and own == [False] * 6
+    assert len({r["replicas"][0] for r in forwarded}) == 2  # both replicas took some
+    for f, s in zip(forwarded, submitted):
+        assert f["tokens"] == s["tokens"] and len(f["tokens"]) == 40
+        assert f["finish_reason"] == s["finish_reason"] == "length"
+
+
 async def run_and_kill(
     c, prompts, params, victim: str | None, tenant: str = "default"
 ) -> tuple[list[dict], list[int]]:
