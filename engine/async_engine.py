@@ -13,12 +13,30 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
+import logging
+import os
+import sys
+import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fairbatch.engine.core import EngineCore, RequestDelta
 from fairbatch.engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+def lower_thread_priority(niceness: int) -> None:
+    """Make the calling thread `niceness` nice levels lower in priority than it is (Linux
+    schedules threads one by one; elsewhere, or without the right, it stays as it is)."""
+    if niceness <= 0 or not sys.platform.startswith("linux"):
+        return
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + niceness)
+    except OSError as e:
+        log.warning("could not lower the engine thread's priority by %d: %r", niceness, e)
 
 
 class EngineDeadError(RuntimeError):
@@ -31,12 +49,21 @@ class AsyncEngine:
         engine: EngineCore,
         step_hook: Callable[[], Any] | None = None,
         sink: Callable[[list[RequestDelta] | BaseException], Any] | None = None,
+        thread_niceness: int = 0,
     ) -> None:
         self.engine = engine
         # called on the event loop with each step's deltas of requests added by `add` (not
         # streamed by `generate`), or once with the exception that stopped the loop
         self._sink = sink
-        self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine")
+        # `thread_niceness` > 0 runs the engine thread that many nice levels below its process:
+        # where the cores are short, the process's event loop (new requests, the channel) and
+        # the serving plane beside it get the CPU first, and the steps take what is left.
+        self._thread = concurrent.futures.ThreadPoolExecutor(
+            1,
+            thread_name_prefix="engine",
+            initializer=lower_thread_priority,
+            initargs=(thread_niceness,),
+        )
         self._streams: dict[str, asyncio.Queue] = {}
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None

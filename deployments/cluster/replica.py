@@ -74,6 +74,16 @@ class ReplicaConfig:
     heartbeat_s: float = 0.5
     device: str = "cpu"
     torch_threads: int = 1  # CPU model: intra-op threads per replica (replicas share cores)
+    # nice levels the engine thread runs below the replica process (engine.async_engine), so
+    # that where cores are short the serving plane and the replica's own event loop go first
+    engine_thread_niceness: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.engine_thread_niceness <= 19:
+            raise ValueError(
+                f"engine_thread_niceness must be 0..19 (levels below the process), got "
+                f"{self.engine_thread_niceness}"
+            )
 
 
 def build_core(cfg: ReplicaConfig) -> EngineCore:
@@ -149,7 +159,12 @@ class Replica:
         self.config = config
         self.core = build_core(config)
         self.time_scale = config.time_scale
-        self.engine = AsyncEngine(self.core, step_hook=self._pace, sink=self._deliver)
+        self.engine = AsyncEngine(
+            self.core,
+            step_hook=self._pace,
+            sink=self._deliver,
+            thread_niceness=config.engine_thread_niceness,
+        )
         self._routes: dict[str, _Route] = {}  # request id -> where its items go
         self._boxes: dict[str, Outbox] = {}  # consumer id -> its unread items
         self._stalling: set[str] = set()  # consumers whose requests are being dropped

@@ -1,6 +1,9 @@
 """AsyncEngine: concurrent streams equal the offline results; a closed stream frees its blocks."""
 
 import asyncio
+import os
+import sys
+import threading
 
 import pytest
 
@@ -70,3 +73,24 @@ def test_bad_request_raises_and_engine_keeps_serving():
 
     out = asyncio.run(main())
     assert out[-1].finished and sum(len(d.token_ids) for d in out) == 10
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness is Linux")
+def test_engine_thread_runs_below_its_process():
+    """`thread_niceness`: the engine thread (steps, adds) runs that many nice levels below the
+    process; the event loop's thread keeps the process's."""
+
+    def nice_of_this_thread() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    async def main():
+        engine = AsyncEngine(build_engine("tiny", num_gpu_blocks=32), thread_niceness=3)
+        inside = await engine.call(nice_of_this_thread)
+        tokens = [t async for d in engine.generate("tenants", PARAMS) for t in d.token_ids]
+        await engine.shutdown()
+        return inside, nice_of_this_thread(), tokens
+
+    if os.getpriority(os.PRIO_PROCESS, 0) > 16:
+        pytest.skip("this process runs too low to go 3 levels lower")
+    inside, outside, tokens = asyncio.run(main())
+    assert inside == outside + 3 and len(tokens) == 10
