@@ -105,6 +105,41 @@ def test_controller_submits_for_the_client_with_the_same_tokens(cluster):
         assert f["finish_reason"] == s["finish_reason"] == "length"
 
 
+def test_a_request_cancelled_before_its_client_heard_the_assignment_ends_on_its_replica(cluster):
+    """The controller submitted it for a client that gives up before the assignment reaches
+    it (so the client knows no replica to abort on): the controller's cancel aborts it there,
+    and the consumer's channel gets its "abort" instead of 400 tokens run for nobody."""
+    from fairbatch.deployments.cluster.channel import ReplicaLink
+    from fairbatch.deployments.cluster.wire import RequestMeta
+
+    rid, consumer = "cancel-early", "consumer-cancel-early"
+    params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    meta = RequestMeta(rid, prompt(50), params, consumer=consumer)
+
+    async def main() -> list:
+        links = [
+            ReplicaLink(r, h, consumer, None, expected={rid}) for r, h in cluster.replicas.items()
+        ]
+        await cluster.controller.submit_many.remote("subscriber-cancel-early", [meta])
+        await cluster.controller.cancel.remote(rid)
+        queues = [link.open(rid) for link in links]
+        items: list = []
+        deadline = time.monotonic() + 60
+        while not any(i.finished for i in items):
+            assert time.monotonic() < deadline, items
+            for q in queues:
+                while not q.empty():
+                    items.append(q.get_nowait())
+            await asyncio.sleep(0.01)
+        for link in links:
+            link.shutdown()
+        return items
+
+    items = asyncio.run(main())
+    assert items[-1].finish_reason == "abort"
+    assert sum(len(i.token_ids) for i in items) < 400
+
+
 async def run_and_kill(
     c, prompts, params, victim: str | None, tenant: str = "default"
 ) -> tuple[list[dict], list[int]]:
