@@ -242,6 +242,11 @@ class TorchAttentionBackend(AttentionBackend):
     * GQA folds the query heads sharing a KV head into the query-length axis
       (`[kv_heads, group * q_len, dim]`), so K/V are never repeated per query head (and no
       reliance on SDPA's `enable_gqa`, absent from older torch).
+    * Decode sequences whose tables start with the same blocks (a cached prompt prefix) run
+      as one call: the shared blocks are gathered once, then each member's own blocks, and a
+      mask lets each member see the shared keys and its own (cascade attention). Their tokens
+      are then queries of one sequence, like a prefill chunk's: the read of the shared
+      prefix, the bulk of decode time on CPU, is paid once per group instead of per sequence.
 
     The step's plan (which rows and tiles each call reads) is made on the host from the
     metadata's CPU lengths and tables; its integer arrays ride in the runner's one staged copy
@@ -309,14 +314,18 @@ class TorchAttentionBackend(AttentionBackend):
         group = q.shape[1] // num_kv_heads
         key = _TorchStepPlan.key(block_size, num_kv_heads, group, sliding_window)
         plan = meta._cache.get(key)
-        if plan is None:  # not staged with the step's inputs (a direct caller): one copy here
+        if plan is None:  # not staged with the step's inputs (a direct caller, or on CPU)
             tables = meta.block_tables if meta.block_tables_cpu is None else meta.block_tables_cpu
             host = self.step_plan(
                 meta.query_lens_cpu, meta.seq_lens_cpu, tables.cpu(), block_size,
                 num_kv_heads, group, sliding_window,
             )  # fmt: skip
-            host.attach(meta, Staging(q.device, pin=False).upload(host.arrays))
+            arrays = host.arrays  # on CPU the host's arrays serve as they are; else one copy
+            if q.device.type != "cpu":
+                arrays = Staging(q.device, pin=False).upload(arrays)
+            host.attach(meta, arrays)
             plan = meta._cache[key]
+        plan = meta._cache[key] = plan.to(q.dtype)  # (a no-op after the first layer)
         out = torch.empty_like(q)
 
         for rows, tiles, mask in plan.decode_groups:
@@ -342,6 +351,16 @@ class TorchAttentionBackend(AttentionBackend):
                 kf, vf = kf.repeat_interleave(group, 1), vf.repeat_interleave(group, 1)
             of = F.scaled_dot_product_attention(qf, kf, vf, is_causal=True, scale=scale)
             out[start : start + q_len] = of[0].transpose(0, 1)  # [q_len, H, D]
+
+        for rows, tiles, mask in plan.shared:
+            # The members' decode tokens as the queries of one sequence, over the shared blocks
+            # and every member's own; the mask keeps each member to the shared and its own keys.
+            qg = _fold(q[rows].unsqueeze(0), num_kv_heads, group)  # [1, Hkv, G * m, D]
+            kg, vg = self._gather(tiles_k, tiles_v, tiles, q)
+            kg = kg.view(1, num_kv_heads, -1, head_dim)  # [1, Hkv, L, D]
+            vg = vg.view(1, num_kv_heads, -1, head_dim)
+            og = F.scaled_dot_product_attention(qg, kg, vg, mask, scale=scale)
+            out[rows] = _unfold(og, rows.numel())[0]  # [m, H, D]
 
         for start, q_len, tiles, mask in plan.prefills:
             qp = _fold(q[start : start + q_len].unsqueeze(0), num_kv_heads, group)  # [1,Hkv,G*q,D]
@@ -398,11 +417,26 @@ class _TorchPlan:
     # per decode group: batch rows [b], tiles [b * Hkv * nb] (blocks padded with each sequence's
     # own last block: finite data the mask hides), key mask [b, 1, 1, nb * block_size]
     decode_groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    # per group of m decode sequences with shared leading blocks: batch rows [m], tiles
+    # [Hkv * nb] (the shared blocks, then each member's own), mask [G * m, nb * block_size]
+    shared: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     # per prefill chunk with earlier context: first batch row, q_len, tiles [Hkv * nb],
     # mask [G * q_len, nb * block_size]
     prefills: list[tuple[int, int, torch.Tensor, torch.Tensor]]
     # per prompt chunk with no earlier context (and no window): first batch row, q_len
     fresh: list[tuple[int, int]]
+
+    def to(self, dtype: torch.dtype) -> _TorchPlan:
+        """This plan with its additive masks in `dtype`, the queries' (CUDA's SDPA wants them
+        alike)."""
+        if all(m.dtype == dtype for *_, m in self.decode_groups + self.shared + self.prefills):
+            return self
+        return _TorchPlan(
+            [(*g, m.to(dtype)) for *g, m in self.decode_groups],
+            [(*g, m.to(dtype)) for *g, m in self.shared],
+            [(*p, m.to(dtype)) for *p, m in self.prefills],
+            self.fresh,
+        )
 
 
 @dataclass
@@ -411,9 +445,12 @@ class _TorchStepPlan(StepPlan):
     (staged in the step's one copy); the masks are built on the device from the lengths, so
     no boolean tensor and no per-group copy crosses to the device."""
 
-    # per decode group: rows [b], tiles [b * Hkv * nb], seq lens [b]; per prefill: tiles
+    # per decode group: rows [b], tiles [b * Hkv * nb], seq lens [b]; per shared group: rows
+    # [m], tiles [Hkv * nb], each block's owner [nb] (member index, -1: shared) and valid keys
+    # [nb]; per prefill: tiles
     arrays: list[torch.Tensor]
     decode_blocks: list[int]  # per decode group: nb, the blocks read per sequence
+    num_shared: int  # shared groups
     prefills: list[tuple[int, int, int, int]]  # first row, q_len, seq_len, nb
     fresh: list[tuple[int, int]]
     block_size: int
@@ -440,7 +477,7 @@ class _TorchStepPlan(StepPlan):
         starts = [0]
         for q_len in query_lens:
             starts.append(starts[-1] + q_len)
-        decode = sorted((s for s, q in enumerate(query_lens) if q == 1), key=lens.__getitem__)
+        decode = [s for s, q in enumerate(query_lens) if q == 1]
         tables = block_tables_cpu.to(torch.int64)
         heads = torch.arange(num_kv_heads)[None, :, None]  # [1, Hkv, 1]
 
@@ -453,7 +490,25 @@ class _TorchStepPlan(StepPlan):
             tiles = blocks[:, None, :] * num_kv_heads + heads  # [b, Hkv, nb]
             return tiles.reshape(-1), nb
 
-        arrays, decode_blocks = [], []
+        arrays: list[torch.Tensor] = []
+        groups: list[list[int]] = []
+        if window is None and len(decode) > 1:  # (a window would hide part of a prefix)
+            rows = block_tables_cpu.tolist()
+            groups, decode = _shared_prefix_groups(decode, rows, lens, block_size)
+            for members, num_shared in groups:
+                blocks, owner, valid = rows[members[0]][:num_shared], [-1] * num_shared, []
+                for i, s in enumerate(members):
+                    last = (lens[s] - 1) // block_size
+                    blocks += rows[s][num_shared : last + 1]
+                    owner += [i] * (last + 1 - num_shared)
+                    valid += [block_size] * (last - num_shared) + [lens[s] - last * block_size]
+                tiles = torch.tensor(blocks)[None, :] * num_kv_heads + heads[0]  # [Hkv, nb]
+                valid = [block_size] * num_shared + valid
+                arrays += [torch.tensor([starts[s] for s in members]), tiles.reshape(-1)]
+                arrays += [torch.tensor(owner), torch.tensor(valid)]
+
+        decode.sort(key=lens.__getitem__)
+        decode_blocks = []
         for g in range(0, len(decode), DECODE_GROUP):
             seqs = decode[g : g + DECODE_GROUP]
             glens = torch.tensor([lens[s] for s in seqs])  # [b]
@@ -472,17 +527,28 @@ class _TorchStepPlan(StepPlan):
             arrays.append(tiles)
             prefills.append((starts[s], q_len, lens[s], nb))
         key = cls.key(block_size, num_kv_heads, group, window)
-        return cls(arrays, decode_blocks, prefills, fresh, block_size, group, window, key)
+        return cls(
+            arrays, decode_blocks, len(groups), prefills, fresh, block_size, group, window, key
+        )
 
     def attach(self, meta: AttentionMetadata, views: list[torch.Tensor]) -> None:
         bs, window = self.block_size, self.window
         it = iter(views)
+        shared = []
+        for _ in range(self.num_shared):
+            rows, tiles, owner, valid = next(it), next(it), next(it), next(it)
+            offset = torch.arange(bs, device=rows.device)
+            key_ok = (offset[None, :] < valid[:, None]).reshape(-1)  # [nb * bs]: written keys
+            key_owner = owner.repeat_interleave(bs)[None, :]  # [1, nb * bs]
+            member = torch.arange(rows.numel(), device=rows.device)[:, None]  # [m, 1]
+            mask = key_ok & ((key_owner == member) | (key_owner < 0))  # [m, nb * bs]
+            shared.append((rows.long(), tiles, _additive(mask.repeat(self.group, 1))))  # g * m + i
         decode_groups = []
         for nb in self.decode_blocks:
             rows, tiles, glens = next(it), next(it), next(it)
             key_pos = torch.arange(nb * bs, device=rows.device)
             mask = _visible(key_pos[None, :], (glens - 1)[:, None], window)[:, None, None, :]
-            decode_groups.append((rows.long(), tiles, mask))
+            decode_groups.append((rows.long(), tiles, _additive(mask)))
         prefills = []
         for start, q_len, seq_len, nb in self.prefills:
             tiles = next(it)
@@ -490,8 +556,43 @@ class _TorchStepPlan(StepPlan):
             q_pos = torch.arange(seq_len - q_len, seq_len, device=tiles.device)[:, None]
             mask = _visible(key_pos[None, :], q_pos, window)  # [q_len, nb * bs]
             mask = mask.repeat(self.group, 1)  # [G * q_len, L]: folded row g * q_len + i is query i
-            prefills.append((start, q_len, tiles, mask))
-        meta._cache[self.cache_key] = _TorchPlan(decode_groups, prefills, self.fresh)
+            prefills.append((start, q_len, tiles, _additive(mask)))
+        meta._cache[self.cache_key] = _TorchPlan(decode_groups, shared, prefills, self.fresh)
+
+
+def _shared_prefix_groups(
+    decode: list[int], tables: list[list[int]], lens: list[int], block_size: int
+) -> tuple[list[tuple[list[int], int]], list[int]]:
+    """Decode sequences that start with the same blocks (prefix-cache hits of one prompt, or
+    forked samples), as (members, number of shared blocks) groups; and the others.
+
+    A group shares only blocks before each member's last one (which holds the key it writes
+    now), so every member sees all of the shared keys. Its members' own blocks together are at
+    most its shared blocks: each query then also scores the other members' keys (masked), which
+    at most doubles the group's arithmetic, while its reads of K/V drop to about 2 / m."""
+    by_first: dict[int, list[int]] = {}
+    for s in decode:
+        by_first.setdefault(tables[s][0], []).append(s)
+    groups, rest = [], []
+    for seqs in by_first.values():
+        limit = min((lens[s] - 1) // block_size for s in seqs)
+        first, num_shared = tables[seqs[0]], 0
+        while num_shared < limit and all(tables[s][num_shared] == first[num_shared] for s in seqs):
+            num_shared += 1
+        chunks, own = [[]], 0  # own: the last chunk's own blocks
+        for s in sorted(seqs, key=lens.__getitem__):
+            n = (lens[s] - 1) // block_size + 1 - num_shared
+            if chunks[-1] and (own + n > num_shared or len(chunks[-1]) == DECODE_GROUP):
+                chunks.append([])
+                own = 0
+            chunks[-1].append(s)
+            own += n
+        for chunk in chunks:
+            if len(chunk) > 1:
+                groups.append((chunk, num_shared))
+            else:
+                rest.extend(chunk)
+    return groups, rest
 
 
 def _visible(key_pos: torch.Tensor, query_pos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -500,6 +601,12 @@ def _visible(key_pos: torch.Tensor, query_pos: torch.Tensor, window: int | None)
     if window is not None:
         mask &= key_pos > query_pos - window
     return mask
+
+
+def _additive(mask: torch.Tensor) -> torch.Tensor:
+    # SDPA turns a boolean mask into this (0 where visible, -inf elsewhere) on every call, so
+    # the step's masks are made additive once for all layers (float32; `_TorchPlan.to` casts).
+    return torch.zeros(mask.shape, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
 # Head sizes vllm-flash-attn compiles kernels for (vLLM's FlashAttentionBackend list).

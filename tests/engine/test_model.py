@@ -202,6 +202,46 @@ def test_torch_backend_matches_dense_reference(window: int | None) -> None:
     )
 
 
+def test_torch_backend_decode_over_shared_blocks_matches_dense_reference() -> None:
+    """Decode sequences whose tables start with the same blocks (prefix-cache hits, forks) run
+    as groups over the shared blocks read once: the same attention as each one alone."""
+    gen = torch.Generator().manual_seed(1)
+    heads, kv_heads, dim, block_size, num_blocks = 4, 2, 8, 4, 96
+    prefix = [torch.randn(n, kv_heads, dim, generator=gen) for n in (24, 8)]  # 6 and 2 blocks
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    prefix_blocks = [[free.pop() for _ in range(n // block_size)] for n in (24, 8)]
+    # (prefix, own tokens): 6 on the long prefix (own blocks 2+1+1+2+1+2 > 6 shared: two
+    # groups), 2 on the short one (one just past a block boundary), one with nothing shared
+    seqs = [(0, 5), (0, 1), (0, 4), (0, 7), (0, 2), (0, 6), (1, 1), (1, 4), (None, 9)]
+    ks, vs, tables = [], [], []
+    for which, own in seqs:
+        shared = 0 if which is None else prefix[which].shape[0]
+        k = torch.randn(shared + own, kv_heads, dim, generator=gen)
+        v = torch.randn(shared + own, kv_heads, dim, generator=gen)
+        if which is not None:
+            k[:shared] = prefix[which]
+            v[:shared] = -prefix[which]
+        first = [] if which is None else prefix_blocks[which]
+        own_blocks = math.ceil((shared + own) / block_size) - len(first)
+        tables.append(first + [free.pop() for _ in range(own_blocks)])
+        ks.append(k)
+        vs.append(v)
+    seq_lens = [k.shape[0] for k in ks]
+    backend = get_attn_backend("torch", "cpu")
+    cache = torch.full(backend.kv_cache_shape(num_blocks, block_size, kv_heads, dim), POISON)
+    for k, v, table in zip(ks, vs, tables):  # (shared blocks written once per sequence: alike)
+        meta, _ = AttentionMetadata.build([k.shape[0]], [k.shape[0]], [table], block_size)
+        backend.write_kv(k, v, cache, meta.slot_mapping)
+    meta, _ = AttentionMetadata.build([1] * len(seqs), seq_lens, tables, block_size)
+    q = torch.randn(len(seqs), heads, dim, generator=gen)
+    out = backend.forward(q, cache, meta, dim**-0.5)
+    plan = meta._cache[("torch", block_size, kv_heads, heads // kv_heads, None)]
+    assert sorted(rows.tolist() for rows, *_ in plan.shared) == [[1, 4, 2, 0], [5, 3], [6, 7]]
+    torch.testing.assert_close(
+        out, _naive_attention(q, ks, vs, [1] * len(seqs), None), atol=1e-5, rtol=1e-5
+    )
+
+
 def test_metadata_build_slots_and_positions() -> None:
     meta, positions = AttentionMetadata.build([3, 1], [5, 6], [[7, 2], [4, 9]], block_size=4)
     assert positions.tolist() == [2, 3, 4, 5]
