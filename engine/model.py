@@ -113,11 +113,11 @@ class Attention(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)  # [T, H, D]
-        k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = v.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
+        # q and k rotate alike: one RoPE over their heads side by side, [T, H + Hkv, D]
+        qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim), *rope)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H, D], [T, Hkv, D]
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         # Write first: attention reads this step's keys back from the cache with the context.
         backend.write_kv(k, v, kv_cache, meta.slot_mapping)
         # [T, H, D]; the new K/V go along so a backend may skip re-reading a fresh prompt's
