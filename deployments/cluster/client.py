@@ -4,7 +4,9 @@
 assigns the request it also submits it to the replica for this client (`forward`; one hop
 sooner than the client could), and the client reads its items from this process's one channel
 to that replica (`channel.ReplicaLink`: one message per engine step for all of this process's
-requests there).
+requests there). (A controller that restarts after forwarding a request, before its client
+heard where, may place it again elsewhere: the client reads it where it heard, and the first
+copy runs to its end unread - work lost, never a wrong or repeated token.)
 It follows the request wherever it goes:
   * a `Moved` item (migration): adopt it on the destination replica, read it from that channel;
   * the replica dies mid-stream: tell the controller, and resubmit prompt + the tokens already
