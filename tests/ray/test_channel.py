@@ -29,6 +29,17 @@ def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 60))
 
 
+async def read_until_finished(channel, n: int) -> list:
+    """The channel's items up to the n-th finished one; then the channel is closed."""
+    items = []
+    async for msg in channel:
+        items.extend(msg)
+        if sum(1 for it in items if it.finished) == n:
+            break
+    await channel.aclose()
+    return items
+
+
 def test_one_message_per_step_carries_every_request_of_the_consumer():
     async def main():
         rep = replica()
@@ -99,12 +110,7 @@ def test_one_bad_request_in_a_batch_is_refused_alone():
         channel = rep.channel("c")
         too_long = RequestMeta("long", list(range(10, 2010)), SamplingParams(max_tokens=4))
         errors = await rep.submit("c", [meta(0, 6), too_long, meta(0, 6), meta(1, 6)])
-        items = []
-        async for msg in channel:
-            items.extend(msg)
-            if sum(1 for it in items if it.finished) == 2:
-                break
-        await channel.aclose()
+        items = await read_until_finished(channel, 2)
         await rep.engine.shutdown()
         return rep, errors, items
 
@@ -128,12 +134,7 @@ def test_a_forwarded_submission_refused_or_repeated_reaches_its_consumer_once():
         first = await rep.submit("c", [meta(0, 6), too_long], forwarded=True)
         again = await rep.submit("c", [meta(0, 6)], forwarded=True)
         elsewhere = await rep.submit("other", [meta(0, 6)], forwarded=True)  # another consumer
-        items = []
-        async for msg in channel:
-            items.extend(msg)
-            if sum(1 for it in items if it.finished) == 2:
-                break
-        await channel.aclose()
+        items = await read_until_finished(channel, 2)
         other = rep._boxes["other"].take()
         await rep.engine.shutdown()
         return rep, first, again, elsewhere, items, other
