@@ -36,7 +36,7 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
-from fairbatch.engine.staging import Staging
+from fairbatch.engine.staging import Staging, host_ints
 
 
 @dataclass
@@ -85,14 +85,14 @@ class AttentionMetadata:
                 raise ValueError(
                     f"sequence {s}: {len(table)} blocks of {block_size} cannot hold {s_lens[s]}"
                 )
-        padded = [[*t, *([0] * (width - len(t)))] for t in block_tables]  # one tensor() call
-        tables = torch.tensor(padded, dtype=torch.int32).view(len(s_lens), width)
-        q_t = torch.tensor(q_lens, dtype=torch.int64)  # [num_seqs]
+        padded = [x for t in block_tables for x in (*t, *([0] * (width - len(t))))]
+        tables = host_ints(padded, torch.int32).view(len(s_lens), width)
+        q_t = host_ints(q_lens)  # [num_seqs]
         seq_of_token = torch.repeat_interleave(torch.arange(len(q_lens)), q_t)  # [num_tokens]
         starts = torch.zeros(len(q_lens) + 1, dtype=torch.int64)
         starts[1:] = torch.cumsum(q_t, 0)
         # position = (seq_len - q_len) + index within this step's tokens of the sequence
-        first_pos = torch.tensor(s_lens, dtype=torch.int64) - q_t  # [num_seqs]
+        first_pos = host_ints(s_lens) - q_t  # [num_seqs]
         positions = (
             first_pos[seq_of_token] + torch.arange(int(starts[-1])) - starts[:-1][seq_of_token]
         )
@@ -101,7 +101,7 @@ class AttentionMetadata:
             "positions": positions,
             "slot_mapping": blocks * block_size + positions % block_size,  # [num_tokens]
             "query_start_loc": starts.to(torch.int32),
-            "seq_lens": torch.tensor(s_lens, dtype=torch.int32),
+            "seq_lens": host_ints(s_lens, torch.int32),
             "block_tables": tables,
         }
 
@@ -242,11 +242,12 @@ class TorchAttentionBackend(AttentionBackend):
     * GQA folds the query heads sharing a KV head into the query-length axis
       (`[kv_heads, group * q_len, dim]`), so K/V are never repeated per query head (and no
       reliance on SDPA's `enable_gqa`, absent from older torch).
-    * Decode sequences whose tables start with the same blocks (a cached prompt prefix) run
-      as one call: the shared blocks are gathered once, then each member's own blocks, and a
-      mask lets each member see the shared keys and its own (cascade attention). Their tokens
-      are then queries of one sequence, like a prefill chunk's: the read of the shared
-      prefix, the bulk of decode time on CPU, is paid once per group instead of per sequence.
+    * Decode sequences whose tables start with the same blocks (a cached prompt prefix) form
+      a group: its shared blocks are gathered once, then each member's own blocks, and a mask
+      lets each member see the shared keys and its own (cascade attention). Its tokens are
+      then queries of one sequence, like a prefill chunk's: the read of the shared prefix, the
+      bulk of decode time on CPU, is paid once per group instead of per sequence. All groups
+      of a step run as one padded call.
 
     The step's plan (which rows and tiles each call reads) is made on the host from the
     metadata's CPU lengths and tables; its integer arrays ride in the runner's one staged copy
@@ -352,15 +353,17 @@ class TorchAttentionBackend(AttentionBackend):
             of = F.scaled_dot_product_attention(qf, kf, vf, is_causal=True, scale=scale)
             out[start : start + q_len] = of[0].transpose(0, 1)  # [q_len, H, D]
 
-        for rows, tiles, mask in plan.shared:
-            # The members' decode tokens as the queries of one sequence, over the shared blocks
+        for rows, dest, sel, tiles, mask in plan.shared:
+            # Each group's decode tokens as the queries of one sequence, over its shared blocks
             # and every member's own; the mask keeps each member to the shared and its own keys.
-            qg = _fold(q[rows].unsqueeze(0), num_kv_heads, group)  # [1, Hkv, G * m, D]
+            n, m = rows.shape
+            qg = q[rows.view(-1)].view(n, m, -1, head_dim)  # [n, m, H, D]
+            qg = _fold(qg, num_kv_heads, group)  # [n, Hkv, G * m, D]
             kg, vg = self._gather(tiles_k, tiles_v, tiles, q)
-            kg = kg.view(1, num_kv_heads, -1, head_dim)  # [1, Hkv, L, D]
-            vg = vg.view(1, num_kv_heads, -1, head_dim)
+            kg = kg.view(n, num_kv_heads, -1, head_dim)  # [n, Hkv, L, D]
+            vg = vg.view(n, num_kv_heads, -1, head_dim)
             og = F.scaled_dot_product_attention(qg, kg, vg, mask, scale=scale)
-            out[rows] = _unfold(og, rows.numel())[0]  # [m, H, D]
+            out[dest] = _unfold(og, m).reshape(n * m, -1, head_dim)[sel]  # [members, H, D]
 
         for start, q_len, tiles, mask in plan.prefills:
             qp = _fold(q[start : start + q_len].unsqueeze(0), num_kv_heads, group)  # [1,Hkv,G*q,D]
@@ -417,9 +420,11 @@ class _TorchPlan:
     # per decode group: batch rows [b], tiles [b * Hkv * nb] (blocks padded with each sequence's
     # own last block: finite data the mask hides), key mask [b, 1, 1, nb * block_size]
     decode_groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-    # per group of m decode sequences with shared leading blocks: batch rows [m], tiles
-    # [Hkv * nb] (the shared blocks, then each member's own), mask [G * m, nb * block_size]
-    shared: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    # the groups of decode sequences with shared leading blocks, n groups padded to m members
+    # (copies of the first) and nb blocks (the shared ones, then each member's own), or none:
+    # batch rows [n, m], the members' rows [k] and their places in the n * m [k], tiles
+    # [n * Hkv * nb], key mask [n, 1, G * m, nb * block_size]
+    shared: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
     # per prefill chunk with earlier context: first batch row, q_len, tiles [Hkv * nb],
     # mask [G * q_len, nb * block_size]
     prefills: list[tuple[int, int, torch.Tensor, torch.Tensor]]
@@ -445,12 +450,11 @@ class _TorchStepPlan(StepPlan):
     (staged in the step's one copy); the masks are built on the device from the lengths, so
     no boolean tensor and no per-group copy crosses to the device."""
 
-    # per decode group: rows [b], tiles [b * Hkv * nb], seq lens [b]; per shared group: rows
-    # [m], tiles [Hkv * nb], each block's owner [nb] (member index, -1: shared) and valid keys
-    # [nb]; per prefill: tiles
+    # the shared groups' (`_shared_arrays`), if any; per decode group: rows [b], tiles
+    # [b * Hkv * nb], seq lens [b]; per prefill: tiles
     arrays: list[torch.Tensor]
+    shared: tuple[int, int, int] | None  # the shared groups' n, m, nb (see `_TorchPlan`)
     decode_blocks: list[int]  # per decode group: nb, the blocks read per sequence
-    num_shared: int  # shared groups
     prefills: list[tuple[int, int, int, int]]  # first row, q_len, seq_len, nb
     fresh: list[tuple[int, int]]
     block_size: int
@@ -486,34 +490,25 @@ class _TorchStepPlan(StepPlan):
             nb = -(-int(seq_lens.max()) // block_size)
             last_block = (seq_lens - 1) // block_size  # [b]
             col = torch.minimum(torch.arange(nb)[None, :], last_block[:, None])  # [b, nb]
-            blocks = torch.gather(tables[torch.tensor(seqs)], 1, col)  # [b, nb]
+            blocks = torch.gather(tables[host_ints(seqs)], 1, col)  # [b, nb]
             tiles = blocks[:, None, :] * num_kv_heads + heads  # [b, Hkv, nb]
             return tiles.reshape(-1), nb
 
         arrays: list[torch.Tensor] = []
-        groups: list[list[int]] = []
+        shared = None
         if window is None and len(decode) > 1:  # (a window would hide part of a prefix)
             rows = block_tables_cpu.tolist()
             groups, decode = _shared_prefix_groups(decode, rows, lens, block_size)
-            for members, num_shared in groups:
-                blocks, owner, valid = rows[members[0]][:num_shared], [-1] * num_shared, []
-                for i, s in enumerate(members):
-                    last = (lens[s] - 1) // block_size
-                    blocks += rows[s][num_shared : last + 1]
-                    owner += [i] * (last + 1 - num_shared)
-                    valid += [block_size] * (last - num_shared) + [lens[s] - last * block_size]
-                tiles = torch.tensor(blocks)[None, :] * num_kv_heads + heads[0]  # [Hkv, nb]
-                valid = [block_size] * num_shared + valid
-                arrays += [torch.tensor([starts[s] for s in members]), tiles.reshape(-1)]
-                arrays += [torch.tensor(owner), torch.tensor(valid)]
+            if groups:
+                arrays, shared = _shared_arrays(groups, rows, starts, lens, block_size, heads)
 
         decode.sort(key=lens.__getitem__)
         decode_blocks = []
         for g in range(0, len(decode), DECODE_GROUP):
             seqs = decode[g : g + DECODE_GROUP]
-            glens = torch.tensor([lens[s] for s in seqs])  # [b]
+            glens = host_ints(lens[s] for s in seqs)  # [b]
             tiles, nb = tiles_of(seqs, glens)
-            arrays += [torch.tensor([starts[s] for s in seqs]), tiles, glens]
+            arrays += [host_ints(starts[s] for s in seqs), tiles, glens]
             decode_blocks.append(nb)
 
         prefills, fresh = [], []
@@ -523,26 +518,26 @@ class _TorchStepPlan(StepPlan):
             if lens[s] == q_len and window is None:
                 fresh.append((starts[s], q_len))
                 continue
-            tiles, nb = tiles_of([s], torch.tensor([lens[s]]))
+            tiles, nb = tiles_of([s], host_ints([lens[s]]))
             arrays.append(tiles)
             prefills.append((starts[s], q_len, lens[s], nb))
         key = cls.key(block_size, num_kv_heads, group, window)
-        return cls(
-            arrays, decode_blocks, len(groups), prefills, fresh, block_size, group, window, key
-        )
+        return cls(arrays, shared, decode_blocks, prefills, fresh, block_size, group, window, key)
 
     def attach(self, meta: AttentionMetadata, views: list[torch.Tensor]) -> None:
         bs, window = self.block_size, self.window
         it = iter(views)
         shared = []
-        for _ in range(self.num_shared):
-            rows, tiles, owner, valid = next(it), next(it), next(it), next(it)
+        if self.shared is not None:
+            n, m, nb = self.shared
+            rows, sel, tiles, owner, valid, member = (next(it) for _ in range(6))
             offset = torch.arange(bs, device=rows.device)
-            key_ok = (offset[None, :] < valid[:, None]).reshape(-1)  # [nb * bs]: written keys
-            key_owner = owner.repeat_interleave(bs)[None, :]  # [1, nb * bs]
-            member = torch.arange(rows.numel(), device=rows.device)[:, None]  # [m, 1]
-            mask = key_ok & ((key_owner == member) | (key_owner < 0))  # [m, nb * bs]
-            shared.append((rows.long(), tiles, _additive(mask.repeat(self.group, 1))))  # g * m + i
+            key_ok = (offset < valid.view(n, nb, 1)).view(n, 1, nb * bs)  # written keys
+            key_owner = owner.view(n, nb).repeat_interleave(bs, dim=1)[:, None, :]  # [n, 1, L]
+            mine = (key_owner == member.view(n, m, 1)) | (key_owner < 0)  # [n, m, L]
+            mask = (key_ok & mine).repeat(1, self.group, 1)[:, None]  # [n, 1, G * m, L]
+            rows, sel = rows.long(), sel.long()  # (folded row g * m + i is member i)
+            shared.append((rows.view(n, m), rows[sel], sel, tiles, _additive(mask)))
         decode_groups = []
         for nb in self.decode_blocks:
             rows, tiles, glens = next(it), next(it), next(it)
@@ -575,9 +570,11 @@ def _shared_prefix_groups(
         by_first.setdefault(tables[s][0], []).append(s)
     groups, rest = [], []
     for seqs in by_first.values():
+        # The tables' common prefix is that of the lexicographically first and last of them.
+        lo, hi = min(tables[s] for s in seqs), max(tables[s] for s in seqs)
         limit = min((lens[s] - 1) // block_size for s in seqs)
-        first, num_shared = tables[seqs[0]], 0
-        while num_shared < limit and all(tables[s][num_shared] == first[num_shared] for s in seqs):
+        num_shared = 0
+        while num_shared < limit and lo[num_shared] == hi[num_shared]:
             num_shared += 1
         chunks, own = [[]], 0  # own: the last chunk's own blocks
         for s in sorted(seqs, key=lens.__getitem__):
@@ -593,6 +590,44 @@ def _shared_prefix_groups(
             else:
                 rest.extend(chunk)
     return groups, rest
+
+
+def _shared_arrays(
+    groups: list[tuple[list[int], int]],
+    tables: list[list[int]],
+    starts: list[int],
+    lens: list[int],
+    block_size: int,
+    heads: torch.Tensor,  # [1, Hkv, 1]: 0 .. Hkv - 1
+) -> tuple[list[torch.Tensor], tuple[int, int, int]]:
+    """The shared groups as one padded batch of n groups of m members over nb blocks: batch
+    rows [n * m] (padded with the group's first member: a copy whose output is dropped), the
+    members' places in it [k], tiles [n * Hkv * nb] (the shared blocks, then each member's own,
+    padded with the last), each block's owner [n * nb] (member, -1: all) and written keys
+    (0 in padding), each row's member [n * m]; and (n, m, nb)."""
+    per = []  # per group: blocks, owners, valid keys
+    for members, num_shared in groups:
+        blocks, owner = tables[members[0]][:num_shared], [-1] * num_shared
+        valid = [block_size] * num_shared
+        for i, s in enumerate(members):
+            last = (lens[s] - 1) // block_size
+            blocks += tables[s][num_shared : last + 1]
+            owner += [i] * (last + 1 - num_shared)
+            valid += [block_size] * (last - num_shared) + [lens[s] - last * block_size]
+        per.append((blocks, owner, valid))
+    n, m, nb = len(groups), max(len(g) for g, _ in groups), max(len(b) for b, _, _ in per)
+    rows, sel, member, blocks, owner, valid = [], [], [], [], [], []
+    for k, ((members, _), (b, o, v)) in enumerate(zip(groups, per)):
+        pad, pad_blocks = m - len(members), nb - len(b)
+        rows += [starts[s] for s in members] + [starts[members[0]]] * pad
+        sel += range(k * m, k * m + len(members))
+        member += [*range(len(members)), *([0] * pad)]
+        blocks += b + b[-1:] * pad_blocks
+        owner += o + [-1] * pad_blocks
+        valid += v + [0] * pad_blocks
+    tiles = host_ints(blocks).view(n, 1, nb) * heads.shape[1] + heads  # [n, Hkv, nb]
+    arrays = [host_ints(rows), host_ints(sel), tiles.reshape(-1)]
+    return arrays + [host_ints(owner), host_ints(valid), host_ints(member)], (n, m, nb)
 
 
 def _visible(key_pos: torch.Tensor, query_pos: torch.Tensor, window: int | None) -> torch.Tensor:

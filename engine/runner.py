@@ -29,7 +29,7 @@ from fairbatch.engine.cuda_graphs import (
 from fairbatch.engine.model import LlamaForCausalLM
 from fairbatch.engine.sampler import Sampler
 from fairbatch.engine.sampling_params import SamplingParams
-from fairbatch.engine.staging import Staging, read_to_host
+from fairbatch.engine.staging import Staging, host_ints, read_to_host
 from fairbatch.kv.cache_engine import CacheEngine
 from fairbatch.scheduler.output import RunnerOutput, SchedulerOutput
 
@@ -195,7 +195,7 @@ class ModelRunner:
             meta, positions = AttentionMetadata.build(
                 query_lens, seq_lens, tables, self.block_size, self.device
             )
-            ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+            ids = host_ints(input_ids).to(self.device)
             return self.model(ids, positions, self.kv_caches, meta), extra
         n = len(INPUT_NAMES)
         batch = self._graph_batch(query_lens, tables)
@@ -203,13 +203,13 @@ class ModelRunner:
             g = self.graphs
             ids, lens, tabs = pad_decode_rows(input_ids, seq_lens, tables, batch, g.pad_block)
             host = AttentionMetadata.host_inputs([1] * batch, lens, tabs, self.block_size, g.width)
-            host["ids"] = torch.tensor(ids)
+            host["ids"] = host_ints(ids)
             views = self.staging.upload([host[k] for k in INPUT_NAMES] + extra, out=g.static)
             self.num_graph_steps += 1
             hidden = g.replay(batch, views[0])[: len(input_ids)]
         else:
             host = AttentionMetadata.host_inputs(query_lens, seq_lens, tables, self.block_size)
-            host["ids"] = torch.tensor(input_ids)
+            host["ids"] = host_ints(input_ids)
             plan = self.model.attn_step_plan(
                 query_lens, seq_lens, host["block_tables"], self.block_size
             )
