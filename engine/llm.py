@@ -113,6 +113,8 @@ def build_engine(
         raise ValueError(f"policy / policy_kwargs: {e}") from None
     dev = torch.device(device)
     m, config, tok, eos = load_model(model, dev, dtype, attn_backend)
+    if dev.type == "cpu":
+        m.column_major_linears()
     param_dtype = next(m.parameters()).dtype
     backend = m.attn_backend(dev, param_dtype)  # raises if it cannot run this model here
     try:

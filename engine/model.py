@@ -216,6 +216,16 @@ class LlamaForCausalLM(nn.Module):
             c.num_attention_heads // c.num_key_value_heads, c.sliding_window,
         )  # fmt: skip
 
+    @torch.no_grad()
+    def column_major_linears(self) -> None:
+        """Store each linear layer's weight column-major: the same `[out, in]` values, laid out
+        as its contiguous transpose. For the few rows of a decode step, MKL's sgemm repacks a
+        row-major weight on every call but multiplies a column-major one in place: the step's
+        projections take about half the time on CPU, with the same results."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                module.weight.data = module.weight.data.t().contiguous().t()
+
     def attn_backend(self, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
         if self._backend is None:
             self._backend = get_attn_backend(
