@@ -74,16 +74,32 @@ class ReplicaConfig:
     heartbeat_s: float = 0.5
     device: str = "cpu"
     torch_threads: int = 1  # CPU model: intra-op threads per replica (replicas share cores)
-    # nice levels the engine thread runs below the replica process (engine.async_engine), so
-    # that where cores are short the serving plane and the replica's own event loop go first
-    engine_thread_niceness: int = 0
+    # Nice levels the engine thread runs below the replica process (engine.async_engine), so
+    # that where cores are short the serving plane and the replica's own event loop go first.
+    # None: CPU_ENGINE_NICENESS for a model on the CPU, where the forward passes are what
+    # fills the cores (measured: docs/BENCHMARKS.md); 0 on a GPU, whose thread mostly waits.
+    engine_thread_niceness: int | None = None
 
     def __post_init__(self) -> None:
+        if self.engine_thread_niceness is None:
+            return
         if not 0 <= self.engine_thread_niceness <= 19:
             raise ValueError(
                 f"engine_thread_niceness must be 0..19 (levels below the process), got "
                 f"{self.engine_thread_niceness}"
             )
+
+
+CPU_ENGINE_NICENESS = 10
+
+
+def engine_thread_niceness(cfg: ReplicaConfig, core: EngineCore) -> int:
+    """The nice levels the replica's engine thread runs below its process: as configured, or
+    by where the model runs (a simulated runner has no device and needs no CPU to speak of)."""
+    if cfg.engine_thread_niceness is not None:
+        return cfg.engine_thread_niceness
+    device = getattr(core.runner, "device", None)
+    return CPU_ENGINE_NICENESS if getattr(device, "type", None) == "cpu" else 0
 
 
 def build_core(cfg: ReplicaConfig) -> EngineCore:
@@ -163,7 +179,7 @@ class Replica:
             self.core,
             step_hook=self._pace,
             sink=self._deliver,
-            thread_niceness=config.engine_thread_niceness,
+            thread_niceness=engine_thread_niceness(config, self.core),
         )
         self._routes: dict[str, _Route] = {}  # request id -> where its items go
         self._boxes: dict[str, Outbox] = {}  # consumer id -> its unread items

@@ -5,6 +5,9 @@ stops reading is dropped with a clear error before the replica's memory grows wi
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
+import threading
 
 import pytest
 
@@ -197,3 +200,29 @@ def test_items_of_an_expected_request_wait_for_its_queue():
     got, late = run(main())
     assert sum(len(it.token_ids) for it in got) == 5 and got[-1].finish_reason == "length"
     assert all(it.request_id == "r0" for it in got) and late.empty()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness is Linux")
+def test_the_engine_thread_of_a_cpu_model_runs_below_the_replica_process():
+    """On the CPU the forward passes fill the cores, so the engine thread yields to the
+    replica's event loop and the serving plane (`CPU_ENGINE_NICENESS` levels lower); a sim
+    runner keeps its process's level; a configured value wins; 20 is refused."""
+    from fairbatch.deployments.cluster.replica import CPU_ENGINE_NICENESS
+
+    if os.getpriority(os.PRIO_PROCESS, 0) + CPU_ENGINE_NICENESS > 19:
+        pytest.skip("this process runs too low to go lower still")
+
+    def nice_of_this_thread() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    async def below(**kw) -> int:
+        rep = Replica("rep", ReplicaConfig(num_gpu_blocks=16, max_num_seqs=2, **kw))
+        inside = await rep.engine.call(nice_of_this_thread)
+        await rep.engine.shutdown()
+        return inside - nice_of_this_thread()
+
+    assert run(below(engine="tiny", device="cpu")) == CPU_ENGINE_NICENESS
+    assert run(below(engine="sim")) == 0
+    assert run(below(engine="tiny", device="cpu", engine_thread_niceness=3)) == 3
+    with pytest.raises(ValueError, match="engine_thread_niceness must be 0..19"):
+        ReplicaConfig(engine_thread_niceness=20)
