@@ -289,8 +289,10 @@ def test_weights_and_priority_hold_end_to_end(app, transport):
     assert abs(ratio - want) <= 0.15 * want, got
     # The priority shows: its requests skip the queue the backlogged tenants wait in.
     assert got["loaded_ttft_ms"] <= 0.25 * got["backlogged_ttft_ms"], got
-    # The goal (issue 15): within 2x of idle. Met through the cluster client (no Serve); through
-    # Serve's proxy and the ingress not yet on 2 cores: XFAIL with the numbers, not hidden.
+    # The goal (issue 15): within 2x of idle. Not on 2 cores: under this load a step takes ~2x
+    # its CPU time (2 engine threads and the plane share the cores), and a priority request waits
+    # out the running step and then runs in a full one (~35 ms of the ~60; idle ~20 in all).
+    # XFAIL with the numbers, not hidden.
     if got["loaded_ttft_ms"] > 2 * got["idle_ttft_ms"]:
         pytest.xfail(f"priority TTFT {got['loaded_ttft_ms']} ms > 2x idle: {got}")
 
