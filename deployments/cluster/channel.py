@@ -8,9 +8,9 @@ slower than the engine steps: batches grow, messages do not). The outbox is boun
 `limit` unread items the consumer is too slow, and its requests are aborted with an error
 rather than grow the replica's memory.
 
-Consumer side, `ReplicaLink`: submits this process's requests to the replica in batches (one
-actor call per event-loop turn, not per request), reads the channel and fans each item out to
-its request's queue. A broken channel (the replica died) puts `LinkLost` into every queue, so
+Consumer side, `ReplicaLink`: reads the channel and fans each item out to its request's queue;
+when the controller does not submit this process's requests for it, submits them in batches
+(one actor call per event-loop turn, not per request). A broken channel (the replica died) puts `LinkLost` into every queue, so
 each request resubmits elsewhere. A request the controller submitted for this process (see
 `RequestMeta.consumer`) can send items before the process has heard where it runs: items of
 an `expected` request with no queue yet wait for its `open`.
