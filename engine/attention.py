@@ -430,17 +430,19 @@ class _TorchPlan:
     prefills: list[tuple[int, int, torch.Tensor, torch.Tensor]]
     # per prompt chunk with no earlier context (and no window): first batch row, q_len
     fresh: list[tuple[int, int]]
+    mask_dtype: torch.dtype = torch.float32  # every mask's (`_additive` makes float32)
 
     def to(self, dtype: torch.dtype) -> _TorchPlan:
         """This plan with its additive masks in `dtype`, the queries' (CUDA's SDPA wants them
-        alike)."""
-        if all(m.dtype == dtype for *_, m in self.decode_groups + self.shared + self.prefills):
+        alike); itself when they are (every layer after the first)."""
+        if dtype == self.mask_dtype:
             return self
         return _TorchPlan(
             [(*g, m.to(dtype)) for *g, m in self.decode_groups],
             [(*g, m.to(dtype)) for *g, m in self.shared],
             [(*p, m.to(dtype)) for *p, m in self.prefills],
             self.fresh,
+            dtype,
         )
 
 

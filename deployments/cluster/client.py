@@ -110,8 +110,9 @@ class ClusterClient:
         if link is None or not link.alive or link.handle != handle:
             if link is not None:
                 link.shutdown()
-            owner = None if self.owner() is None else self.owner()[1]
-            link = ReplicaLink(replica_id, handle, consumer, owner, self._expected)
+            owner = self.owner()
+            handle_of_owner = None if owner is None else owner[1]
+            link = ReplicaLink(replica_id, handle, consumer, handle_of_owner, self._expected)
             self._links[replica_id] = link
         return link
 
