@@ -10,10 +10,10 @@ rather than grow the replica's memory.
 
 Consumer side, `ReplicaLink`: reads the channel and fans each item out to its request's queue;
 when the controller does not submit this process's requests for it, submits them in batches
-(one actor call per event-loop turn, not per request). A broken channel (the replica died) puts `LinkLost` into every queue, so
-each request resubmits elsewhere. A request the controller submitted for this process (see
-`RequestMeta.consumer`) can send items before the process has heard where it runs: items of
-an `expected` request with no queue yet wait for its `open`.
+(one actor call per event-loop turn, not per request). A broken channel (the replica died)
+puts `LinkLost` into every queue, so each request resubmits elsewhere. A request the controller
+submitted for this process (see `RequestMeta.consumer`) can send items before the process has
+heard where it runs: items of an `expected` request with no queue yet wait for its `open`.
 
 Before this, every token crossed Ray as a streaming item of its own per request: on a 2-core
 machine the two hops cost about as much CPU as the model's forward pass.
