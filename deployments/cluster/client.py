@@ -332,7 +332,8 @@ async def _get(queue: asyncio.Queue, timeout_s: float) -> Any:
 class AdmissionBatcher:
     """Admissions for one client process and event loop, batched: requests queued within
     `linger_s` go to the controller in one `submit_many` call, and assignments come back on one
-    long-lived `assignments` stream. After any error on that stream (the controller restarted)
+    long-lived `assignments` stream (which sends each replica's handle once; the batcher puts
+    it back in each Assignment). After any error on that stream (the controller restarted)
     it re-subscribes under a new id and resubmits everything still pending: `submit_many` is
     idempotent per request id and re-sends the assignment of a request already placed."""
 
@@ -399,12 +400,17 @@ class AdmissionBatcher:
                 .remote(self.subscriber)
             )
             self.subscribed.set()
+            handles: dict[str, Any] = {}  # replica id -> handle, as this stream sent them
             try:
                 async for ref in gen:
                     delay = 0.05
-                    for a in await ref:
+                    sent, batch = await ref
+                    handles.update(sent)
+                    for a in batch:
                         entry = self.pending.get(a.request_id)
                         if entry is not None and not entry[1].done():
+                            if a.replica is None:  # the stream sent its handle once, before
+                                a.replica = handles.get(a.replica_id)
                             entry[1].set_result(a)
             except asyncio.CancelledError:
                 raise

@@ -94,7 +94,7 @@ class Assignment:
 
     request_id: str
     replica_id: str
-    replica: Any  # actor handle
+    replica: Any  # actor handle (None on the `assignments` stream once it sent the handle)
     # set when the request left the controller's queue without a replica: "timeout" (its
     # queue deadline passed); the caller ends its stream with it
     finish_reason: str | None = None

@@ -140,6 +140,62 @@ def test_a_request_cancelled_before_its_client_heard_the_assignment_ends_on_its_
     assert sum(len(i.token_ids) for i in items) < 400
 
 
+def test_the_assignment_stream_sends_each_replica_handle_once(cluster):
+    """`Controller.assignments` sends a replica's actor handle once per stream, not in every
+    Assignment (each one is deserialized where the stream is read); a new stream (the client
+    re-subscribed) sends them again. The client's batcher puts them back: every Assignment it
+    resolves holds its replica's handle."""
+    from fairbatch.deployments.cluster.client import AdmissionBatcher
+    from fairbatch.deployments.cluster.wire import RequestMeta
+
+    ctl = cluster.controller
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    # no consumer: the controller assigns them and submits none, so they only hold seats
+    metas = [RequestMeta(f"once-{i}", prompt(60 + i), params) for i in range(6)]
+
+    async def stream(subscriber: str) -> list[tuple[dict, list]]:
+        """One message per request: each submitted after the last one's assignment came (the
+        second stream's: re-sent, the requests being placed already)."""
+        gen = ctl.assignments.options(num_returns="streaming").remote(subscriber)
+        messages = []
+        for m in metas:
+            await ctl.submit_many.remote(subscriber, [m])
+            messages.append(await asyncio.wait_for(await gen.__anext__(), 30))
+        return messages
+
+    def check(messages: list[tuple[dict, list]]) -> dict[str, str]:
+        seen: set[str] = set()
+        for handles, batch in messages:
+            (a,) = batch
+            assert a.replica is None and a.finish_reason is None
+            first = a.replica_id not in seen
+            assert handles == ({a.replica_id: cluster.replicas[a.replica_id]} if first else {})
+            seen.add(a.replica_id)
+        assert seen == set(cluster.replicas)  # both took some (of 6: most came with no handle)
+        return {batch[0].request_id: batch[0].replica_id for _, batch in messages}
+
+    async def admit_twice() -> list:
+        batcher = AdmissionBatcher(lambda: ctl)
+        got = []
+        for _ in range(2):  # the second time every handle came before
+            got += await asyncio.gather(*(batcher.admit(m, 30) for m in metas))
+        batcher.flusher.cancel()
+        batcher.reader.cancel()
+        return got
+
+    async def cancel_all() -> None:
+        await asyncio.gather(*(ctl.cancel.remote(m.request_id) for m in metas))
+
+    try:
+        where = check(asyncio.run(stream("subscriber-once-1")))
+        assert check(asyncio.run(stream("subscriber-once-2"))) == where  # all sent again
+        for a in asyncio.run(admit_twice()):
+            assert a.replica_id == where[a.request_id]
+            assert a.replica == cluster.replicas[a.replica_id]
+    finally:
+        asyncio.run(cancel_all())
+
+
 async def run_and_kill(
     c, prompts, params, victim: str | None, tenant: str = "default"
 ) -> tuple[list[dict], list[int]]:
