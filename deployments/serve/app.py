@@ -79,6 +79,10 @@ class ServeAppConfig(AppConfig):
     cluster_name: str = Field(default="fairbatch", pattern=r"^[A-Za-z0-9_\-]{1,40}$")
     num_gpus_per_replica: float = Field(default=1.0, ge=0)  # 0: CPU replicas, no GPU needed
     ingress_replicas: int = Field(default=1, ge=1)
+    # Serve's access log: one line per request (method, route, status, latency) in the ingress's
+    # log and on the console of every driver that shows worker logs. Off: that is CPU per request
+    # in the ingress, Ray's log monitor and the drivers, which the metrics already count.
+    access_log: bool = False
     startup_timeout_s: float = Field(default=600.0, gt=0)  # cluster up (models loaded)
     request_timeout_s: float = Field(default=300.0, gt=0)  # admission wait, and between tokens
     metrics_interval_s: float = Field(default=1.0, ge=0)  # gauges refresh; 0 = no metrics
@@ -263,5 +267,7 @@ def build_app(args: dict[str, Any] | None = None) -> Any:
 
     config = parse_app_args(args)
     return FairbatchIngress.options(
-        num_replicas=config.ingress_replicas, ray_actor_options={"num_cpus": 0}
+        num_replicas=config.ingress_replicas,
+        ray_actor_options={"num_cpus": 0},
+        logging_config={"enable_access_log": config.access_log},
     ).bind(config.model_dump())

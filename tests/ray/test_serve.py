@@ -197,6 +197,24 @@ def test_completion_usage_and_stop(served):
     assert cut.usage.completion_tokens < 24
 
 
+def test_no_access_log_line_per_request_unless_asked(served):
+    """Serve's access log (a line per request in the ingress's log, and on every driver's
+    console that shows worker logs) is off by default; `access_log: true` turns it on."""
+    from fairbatch.deployments.serve.app import build_app
+
+    for args, want in (({}, False), ({"access_log": True}, True)):
+        logging_config = build_app(args)._bound_deployment._deployment_config.logging_config
+        assert logging_config["enable_access_log"] is want
+    c = client(served)
+    for _ in range(3):
+        c.completions.create(model=MODEL, prompt="hello", max_tokens=2)
+    logs = Path(os.environ["RAY_TMPDIR"]) / "session_latest" / "logs" / "serve"
+    files = list(logs.glob("replica_fairbatch_FairbatchIngress_*.log"))
+    assert files, sorted(p.name for p in logs.iterdir())
+    # with it on, each request leaves "... -- POST /v1/completions 200 12.3ms" there
+    assert not [p for p in files if "-- POST /v1/completions" in p.read_text()]
+
+
 def test_prompt_lists_echo_and_cached_tokens_through_the_cluster(served):
     """What lm-eval and LangChain's completions LLM send: a list of prompts (one choice each, in
     order), echo with prompt log-probs (engine values, the first null), max_tokens 0; and the
