@@ -17,7 +17,12 @@ controller, ingress, proxy; `client` is this process; `ray_system` everything el
 `server` the local HTTP server). `replica_share` is the replicas' CPU over the machine's
 (cores x wall time): how much of the machine went to the model while requests were queued.
 
-Writes OUT/result.json (the table's rows) and OUT/serving_path.png, prints a Markdown table.
+`--rounds N` runs every path N times in turn and reports each number's median over the rounds,
+with the range of the ratio to offline (taken within each round): on a shared machine one
+round's ratios move by about +-0.15.
+
+Writes OUT/result.json (the table's rows; with rounds, every round's rows too) and
+OUT/serving_path.png, prints a Markdown table.
 """
 
 from __future__ import annotations
@@ -373,7 +378,34 @@ def workload(args: argparse.Namespace) -> dict:
         "greedy": True,
         "ignore_eos": True,
         "prompt": "token ids",
+        "rounds": getattr(args, "rounds", 1),  # all paths again each round; medians reported
     }
+
+
+def summarize(rounds: list[list[dict]]) -> list[dict]:
+    """One row per path from several rounds of the same paths: the median of every number
+    (per role for the CPU dicts), and the range of `x_offline`, the ratio taken within each
+    round (each round measures offline and the other paths on the machine as it was then)."""
+    import statistics
+
+    def median(values: list) -> Any:
+        if all(isinstance(v, dict) for v in values):
+            keys = {k for v in values for k in v}
+            return {k: median([v.get(k, 0.0) for v in values]) for k in sorted(keys)}
+        if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            return statistics.median(values)
+        return values[0]
+
+    rows = []
+    for first in rounds[0]:
+        same = [r for rnd in rounds for r in rnd if r["path"] == first["path"]]
+        row = {k: median([r.get(k) for r in same]) for k in first}
+        if "x_offline" in first:
+            ratios = [r["x_offline"] for r in same]
+            row["x_offline_range"] = [min(ratios), max(ratios)]
+        row["rounds"] = len(same)
+        rows.append(row)
+    return rows
 
 
 def table(rows: list[dict]) -> str:
@@ -386,6 +418,9 @@ def table(rows: list[dict]) -> str:
     lines = [head, "|" + "---|" * 8]
     for r in rows:
         ratio = f"{r['output_tok_s'] / base:.2f}" if base else "-"
+        if "x_offline_range" in r:  # medians of rounds: the ratio as measured in each round
+            lo, hi = r["x_offline_range"]
+            ratio = f"{r['x_offline']:.2f} ({lo:.2f}-{hi:.2f})"
         per = r["cpu_ms_per_token"]
 
         def pair(name: str, r: dict = r) -> str:
@@ -442,19 +477,27 @@ def run(args: argparse.Namespace, result: dict, out: Path) -> str:
 
     ids = prompts(wl["num_requests"], wl["prompt_len"], Tokenizer.tiny().vocab_size, args.seed)
     seats = wl["replicas"] * wl["seats"]
-    rows: list[dict] = []
     print(f"serving-path: {wl}", flush=True)
-    if "offline" in paths:
-        rows.append(offline_run(ids, wl, seats))
-    if "local_http" in paths:
-        rows.append(local_http_run(ids, wl, seats))
-    if "serve_http" in paths or "handle" in paths:
-        rows.extend(serve_runs(ids, wl, paths))
-    offline = next((r for r in rows if r["path"] == "offline"), None)
-    for r in rows:
-        if offline:
-            r["x_offline"] = round(r["output_tok_s"] / offline["output_tok_s"], 3)
+    rounds: list[list[dict]] = []
+    for k in range(wl["rounds"]):
+        if wl["rounds"] > 1:
+            print(f"round {k + 1} of {wl['rounds']}", flush=True)
+        rows: list[dict] = []
+        if "offline" in paths:
+            rows.append(offline_run(ids, wl, seats))
+        if "local_http" in paths:
+            rows.append(local_http_run(ids, wl, seats))
+        if "serve_http" in paths or "handle" in paths:
+            rows.extend(serve_runs(ids, wl, paths))
+        offline = next((r for r in rows if r["path"] == "offline"), None)
+        for r in rows:
+            if offline:
+                r["x_offline"] = round(r["output_tok_s"] / offline["output_tok_s"], 3)
+        rounds.append(rows)
     result["workload"] = wl
+    if len(rounds) > 1:
+        result["rounds"] = rounds
+        rows = summarize(rounds)
     result["table"] = rows
     if not args.no_plots and rows:
         plot(rows, out / "serving_path.png")

@@ -274,6 +274,12 @@ def _add_bench_serve(bench_sub: argparse._SubParsersAction) -> None:
         default="offline,local_http,serve_http,handle",
         help="serving-path: which paths to run (default all four)",
     )
+    g.add_argument(
+        "--rounds",
+        type=_positive(int),
+        default=1,
+        help="serving-path: run every path this many times in turn; report medians",
+    )
     g.add_argument("--engine-json", default="docs/results/engine.json", help="for summary")
     g.add_argument("--cluster-json", help="for summary: `fairbatch bench cluster --json` output")
     srv.set_defaults(func=_bench_serve, parser=srv)
