@@ -490,8 +490,8 @@ def run(args: argparse.Namespace, result: dict, out: Path) -> str:
         if "serve_http" in paths or "handle" in paths:
             rows.extend(serve_runs(ids, wl, paths))
         offline = next((r for r in rows if r["path"] == "offline"), None)
-        for r in rows:
-            if offline:
+        if offline:
+            for r in rows:
                 r["x_offline"] = round(r["output_tok_s"] / offline["output_tok_s"], 3)
         rounds.append(rows)
     result["workload"] = wl

@@ -130,11 +130,12 @@ class Controller:
     async def assignments(self, subscriber: str):
         """Stream `(handles, batch)` for requests this subscriber submitted: `batch` a list of
         Assignments, `handles` {replica id: actor handle} for the replicas this stream has not
-        sent before (or whose handle changed). Each handle goes once per stream, not once per
-        request (deserializing one per request cost the ingress ~4% of its CPU): an Assignment
-        here carries `replica` None when its handle went in this or an earlier message."""
+        sent before. Each handle goes once per stream, not once per request (deserializing one
+        per request cost the ingress ~4% of its CPU): an Assignment here carries `replica` None
+        when its handle went in this or an earlier message. (A replica id never names another
+        actor: a replacement gets an id of its own, `replica_set.SEP`.)"""
         outbox = self._outbox(subscriber)
-        sent: dict[str, Any] = {}  # replica id -> the handle this stream sent for it
+        sent: set[str] = set()  # the replica ids whose handle this stream sent
         while True:
             batch = [await outbox.get()]
             while not outbox.empty():
@@ -143,10 +144,9 @@ class Controller:
             for i, a in enumerate(batch):
                 if a.replica is None:  # expired, or no handle known: as it is
                     continue
-                if sent.get(a.replica_id) != a.replica:  # (handles compare by actor id)
-                    if a.replica_id in handles:  # replaced within this batch: goes in full
-                        continue
-                    sent[a.replica_id] = handles[a.replica_id] = a.replica
+                if a.replica_id not in sent:
+                    sent.add(a.replica_id)
+                    handles[a.replica_id] = a.replica
                 # a copy: an admit() waiter may hold the same object
                 batch[i] = dataclasses.replace(a, replica=None)
             yield handles, batch
