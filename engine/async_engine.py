@@ -85,6 +85,8 @@ class AsyncEngine:
                 await self._task
             except asyncio.CancelledError:
                 pass
+            except BaseException:  # a failed step: every stream and the sink already had it
+                pass
             self._task = None
         self._thread.shutdown(wait=True)
 

@@ -1,4 +1,5 @@
-"""AsyncEngine: concurrent streams equal the offline results; a closed stream frees its blocks."""
+"""AsyncEngine: concurrent streams equal the offline results; a closed stream frees its blocks;
+a failed step ends every stream."""
 
 import asyncio
 import os
@@ -8,7 +9,7 @@ import threading
 import pytest
 
 from fairbatch.engine import LLM, SamplingParams
-from fairbatch.engine.async_engine import AsyncEngine
+from fairbatch.engine.async_engine import AsyncEngine, EngineDeadError
 from fairbatch.engine.llm import build_engine
 
 PARAMS = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -94,3 +95,44 @@ def test_engine_thread_runs_below_its_process():
         pytest.skip("this process runs too low to go 3 levels lower")
     inside, outside, tokens = asyncio.run(main())
     assert inside == outside + 3 and len(tokens) == 10
+
+
+def test_a_failed_step_ends_every_stream_and_calls_still_run():
+    """A step that raises ends every open stream with EngineDeadError, reaches the sink once,
+    and refuses new requests; calls (aborts, stats) still run and shutdown returns."""
+    sunk: list = []
+
+    async def main():
+        core = build_engine("tiny", num_gpu_blocks=128)
+        step, steps = core.step, [0]
+
+        def failing_step():
+            steps[0] += 1
+            if steps[0] == 4:
+                raise RuntimeError("the device fell off")
+            return step()
+
+        core.step = failing_step  # type: ignore[method-assign]
+        engine = AsyncEngine(core, sink=sunk.append)
+
+        async def one(prompt):
+            got = []
+            with pytest.raises(EngineDeadError, match="fell off"):
+                async for d in engine.generate(prompt, PARAMS):
+                    got += d.token_ids
+            return got
+
+        got = await asyncio.gather(*(one(p) for p in PROMPTS[:2]))
+        with pytest.raises(EngineDeadError):
+            async for _ in engine.generate("after", PARAMS):
+                pass
+        still = await asyncio.wait_for(engine.call(lambda: "called"), 5)
+        await asyncio.wait_for(engine.shutdown(), 5)
+        return got, still
+
+    ref = [o.token_ids for o in LLM("tiny", num_gpu_blocks=128).generate(PROMPTS[:2], PARAMS)]
+    got, still = asyncio.run(main())
+    # the first request ran in steps 1-3; the second was added before step 2 at the latest
+    assert len(got[0]) == 3 and len(got[1]) in (2, 3) and still == "called"
+    assert [r[: len(g)] for r, g in zip(ref, got)] == got
+    assert len(sunk) == 1 and "fell off" in str(sunk[0])
