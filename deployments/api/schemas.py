@@ -12,6 +12,7 @@ reason "timeout", with what it produced) and `max_queue_time_s` (until it is fir
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from typing import Any, Literal
@@ -225,10 +226,39 @@ def _is_id(t: Any) -> bool:
     return isinstance(t, int) and not isinstance(t, bool)
 
 
+class ToolCallFunction(_Body):
+    name: str
+    arguments: str  # JSON text, as the API returned it
+
+
+class ToolCallIn(_Body):
+    """A call an assistant message made earlier in the conversation (sent back by the client)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+    def for_template(self, param: str) -> dict[str, Any]:
+        """As chat templates take it: the arguments as an object, not JSON text (Hugging Face's
+        tool-use convention; vLLM converts them the same way before rendering)."""
+        try:
+            arguments = json.loads(self.function.arguments)
+        except ValueError:
+            raise bad_request(
+                "the arguments must be JSON text", f"{param}.function.arguments"
+            ) from None
+        if not isinstance(arguments, dict):
+            raise bad_request("the arguments must be a JSON object", f"{param}.function.arguments")
+        function = {"name": self.function.name, "arguments": arguments}
+        return {"id": self.id, "type": "function", "function": function}
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Any = None  # str | [{"type": "text", "text": str}] | None, checked in `text`
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant's calls, in a conversation's history
+    tool_call_id: str | None = None  # the call whose result a tool message carries
 
     def text(self, index: int) -> str:
         content, param = self.content, f"messages.{index}.content"
@@ -267,12 +297,28 @@ class ChatCompletionRequest(_SamplingFields):
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
 
-    def chat_messages(self) -> list[dict[str, str]]:
-        # "developer" is OpenAI's newer name for "system"; templates know only "system".
-        return [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text(i)}
-            for i, m in enumerate(self.messages)
-        ]
+    def chat_messages(self) -> list[dict[str, Any]]:
+        """The messages as chat templates take them. "developer" is OpenAI's newer name for
+        "system" (templates know only "system"); an assistant's earlier tool calls and a tool
+        message's `tool_call_id` are kept, so a template that renders tool use shows them."""
+        out: list[dict[str, Any]] = []
+        for i, m in enumerate(self.messages):
+            msg: dict[str, Any] = {
+                "role": "system" if m.role == "developer" else m.role,
+                "content": m.text(i),
+            }
+            if m.tool_calls is not None:
+                if m.role != "assistant":
+                    raise bad_request("only assistant messages carry tool_calls", f"messages.{i}")
+                param = f"messages.{i}.tool_calls"
+                calls = [c.for_template(f"{param}.{j}") for j, c in enumerate(m.tool_calls)]
+                msg["tool_calls"] = calls
+            if m.tool_call_id is not None:
+                if m.role != "tool":
+                    raise bad_request("only tool messages carry tool_call_id", f"messages.{i}")
+                msg["tool_call_id"] = m.tool_call_id
+            out.append(msg)
+        return out
 
 
 class TenantPatch(BaseModel):

@@ -457,7 +457,9 @@ def create_app(
         body.check_stream_options()
         messages = body.chat_messages()
         try:
-            text = api.tokenizer.apply_chat_template(messages)
+            # `tools` as Hugging Face passes them (None without): templates that know tool use
+            # render them into the prompt
+            text = api.tokenizer.apply_chat_template(messages, tools=body.tools)
         except Exception as e:  # the template's own checks (roles, order) raise ValueError
             msg = str(e) if isinstance(e, ValueError) else "the chat template cannot render these"
             raise bad_request(msg[:500], "messages") from None
