@@ -10,6 +10,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from chat_fixtures import WEATHER
 from loopback import ServerLoop
 
 from fairbatch.deployments.api.backend import LocalBackend, create_app
@@ -23,21 +24,6 @@ PERSON = {
     "type": "object",
     "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}},
     "required": ["name", "age"],
-}
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Weather of a city",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "maxLength": 10},
-                "days": {"type": "integer"},
-            },
-            "required": ["city"],
-        },
-    },
 }
 TIME = {
     "type": "function",

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from chat_fixtures import hf_tiny_tokenizer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -192,17 +193,6 @@ def test_chat_template_errors_and_sandbox(tok: Tokenizer) -> None:
 # -- HF directories ---------------------------------------------------------------------------
 
 
-def _hf_fast_tokenizer(tok: Tokenizer, chat_template: str):
-    transformers = pytest.importorskip("transformers")
-    hf = transformers.PreTrainedTokenizerFast(
-        tokenizer_file=str(ASSETS_DIR / "tiny_tokenizer.json"),
-        bos_token="<|begin_of_text|>",
-        eos_token="<|end_of_text|>",
-    )
-    hf.chat_template = chat_template
-    return hf
-
-
 def test_loads_dir_saved_by_transformers(tmp_path: Path, tok: Tokenizer) -> None:
     transformers = pytest.importorskip("transformers")
     # Block tags on their own indented lines: renders the same only with HF's jinja settings
@@ -217,7 +207,7 @@ def test_loads_dir_saved_by_transformers(tmp_path: Path, tok: Tokenizer) -> None
         "{% endfor %}\n"
         "{% if add_generation_prompt %}[assistant] {% endif %}"
     )
-    hf = _hf_fast_tokenizer(tok, template)
+    hf = hf_tiny_tokenizer(template)
     hf.save_pretrained(tmp_path)
     transformers.GenerationConfig(bos_token_id=0, eos_token_id=[1, 3]).save_pretrained(tmp_path)
 

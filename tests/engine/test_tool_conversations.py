@@ -12,6 +12,7 @@ import json
 import httpx
 import openai
 import pytest
+from chat_fixtures import WEATHER, hf_tiny_tokenizer
 from loopback import ServerLoop
 
 from fairbatch.deployments.api.backend import LocalBackend, create_app
@@ -20,18 +21,6 @@ from fairbatch.engine.tokenizer import ASSETS_DIR, Tokenizer
 
 MODEL = "fairbatch-tiny"
 KEY = "key-tools"
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Weather of a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 10}},
-            "required": ["city"],
-        },
-    },
-}
 QUESTION = {"role": "user", "content": "What is the weather in Paris?"}
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 # A template that renders tool use the way Qwen2-style templates do: the tools in a system turn,
@@ -84,14 +73,8 @@ def served():
 
 @pytest.fixture(scope="module")
 def hf():
-    transformers = pytest.importorskip("transformers")
-    tok = transformers.PreTrainedTokenizerFast(
-        tokenizer_file=str(ASSETS_DIR / "tiny_tokenizer.json"),
-        bos_token="<|begin_of_text|>",
-        eos_token="<|end_of_text|>",
-    )
-    tok.chat_template = TOOL_TEMPLATE
-    return tok
+    pytest.importorskip("transformers")
+    return hf_tiny_tokenizer(TOOL_TEMPLATE)
 
 
 def as_template_takes_it(message: dict) -> dict:
