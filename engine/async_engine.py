@@ -83,9 +83,7 @@ class AsyncEngine:
             self._task.cancel()
             try:
                 await self._task
-            except asyncio.CancelledError:
-                pass
-            except BaseException:  # a failed step: every stream and the sink already had it
+            except BaseException:  # cancelled, or a failed step (every stream and the sink had it)
                 pass
             self._task = None
         self._thread.shutdown(wait=True)

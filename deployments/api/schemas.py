@@ -241,14 +241,13 @@ class ToolCallIn(_Body):
     def for_template(self, param: str) -> dict[str, Any]:
         """As chat templates take it: the arguments as an object, not JSON text (Hugging Face's
         tool-use convention; vLLM converts them the same way before rendering)."""
+        where = f"{param}.function.arguments"
         try:
             arguments = json.loads(self.function.arguments)
         except ValueError:
-            raise bad_request(
-                "the arguments must be JSON text", f"{param}.function.arguments"
-            ) from None
+            raise bad_request("the arguments must be JSON text", where) from None
         if not isinstance(arguments, dict):
-            raise bad_request("the arguments must be a JSON object", f"{param}.function.arguments")
+            raise bad_request("the arguments must be a JSON object", where)
         function = {"name": self.function.name, "arguments": arguments}
         return {"id": self.id, "type": "function", "function": function}
 
