@@ -90,6 +90,9 @@ class ReplicaConfig:
             )
 
 
+DEAD_CONSUMER = "the consumer died"  # why a submission for a consumer found dead is refused
+DEAD_CONSUMERS_KEPT = 1024  # consumer ids (one per client process) remembered as dead
+
 CPU_ENGINE_NICENESS = 10
 
 
@@ -183,6 +186,9 @@ class Replica:
         )
         self._routes: dict[str, _Route] = {}  # request id -> where its items go
         self._boxes: dict[str, Outbox] = {}  # consumer id -> its unread items
+        # consumers found dead (oldest first, at most DEAD_CONSUMERS_KEPT): a submission for one
+        # comes from the controller, which still had its queued requests, and is refused
+        self._dead_consumers: dict[str, None] = {}
         self._stalling: set[str] = set()  # consumers whose requests are being dropped
         self._exports: list[tuple[float, Any]] = []  # (time, ObjectRef) of migrated requests
         self._finished: list[tuple[str, int]] = []  # (id, output tokens) left since last report
@@ -217,6 +223,8 @@ class Replica:
         the request's last item, and a request already here for the consumer counts as added
         (the controller restarted and placed it again)."""
         self._start_reporter()
+        if consumer in self._dead_consumers:  # nobody would read its items: never run them
+            return [DEAD_CONSUMER] * len(metas)
         box = self._outbox(consumer, owner)
         errors: list[str | None] = [None] * len(metas)
         batch: list[tuple[int, str, tuple, int, Any]] = []
@@ -262,6 +270,8 @@ class Replica:
         """Take over a request exported by another replica (its K/V too, if it was swapped);
         its items go to `consumer`'s channel. None when adopted, else why not."""
         self._start_reporter()
+        if consumer in self._dead_consumers:
+            return DEAD_CONSUMER
         if not isinstance(migrated, MigratedRequest):  # an ObjectRef nested in a Moved
             migrated = await migrated
         request = migrated.request
@@ -422,7 +432,7 @@ class Replica:
             if why == "stalled":
                 error = f"the consumer stopped reading: over {box.limit} unread items"
             else:
-                error = "the consumer died"
+                error = DEAD_CONSUMER
             for rid in ids:
                 self._end(rid, StreamItem([], "", True, "error", error=error, request_id=rid))
         finally:
@@ -450,6 +460,9 @@ class Replica:
             return
         # dead: nobody reads these items any more; its channel (if still open) ends too
         self._boxes.pop(box.consumer, None)
+        self._dead_consumers[box.consumer] = None
+        if len(self._dead_consumers) > DEAD_CONSUMERS_KEPT:
+            del self._dead_consumers[next(iter(self._dead_consumers))]
         box.generation += 1
         box.ready.set()
         await self._drop_consumer(box, "died")

@@ -154,6 +154,37 @@ def test_a_forwarded_submission_refused_or_repeated_reaches_its_consumer_once():
     assert rep.core.scheduler.kv.all_free()
 
 
+def test_a_dead_consumers_late_submissions_are_refused_not_run(monkeypatch):
+    """Once the owner check finds a consumer dead, its requests are aborted, and what the
+    controller still forwards for it (its requests queued there) is refused: an orphan would
+    otherwise run to its last token with nobody reading. Other consumers are served."""
+    from fairbatch.deployments.cluster import replica as replica_module
+
+    async def dead(handle, timeout_s):
+        return handle == "dead-owner"
+
+    monkeypatch.setattr(replica_module, "actor_is_dead", dead)
+
+    async def main():
+        rep = replica()
+        first = await rep.submit("c", [meta(0, 400)], owner="dead-owner")
+        await rep._check_owner(rep._boxes["c"])
+        late = await rep.submit("c", [meta(1, 400), meta(2, 400)], forwarded=True)
+        moved = await rep.adopt("c", object())
+        left = await rep.engine.call(rep.core.has_unfinished)
+        other = rep.channel("d")
+        served = await rep.submit("d", [meta(3, 5)])
+        items = await read_until_finished(other, 1)
+        await rep.engine.shutdown()
+        return rep, first, late, moved, left, served, items
+
+    rep, first, late, moved, left, served, items = run(main())
+    assert first == [None] and late == [replica_module.DEAD_CONSUMER] * 2
+    assert moved == replica_module.DEAD_CONSUMER and "c" not in rep._boxes and not left
+    assert served == [None] and sum(len(it.token_ids) for it in items) == 5
+    assert rep.core.scheduler.kv.all_free()
+
+
 class _Method:
     def __init__(self, fn) -> None:
         self.fn = fn
