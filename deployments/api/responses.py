@@ -28,8 +28,9 @@ from fairbatch.deployments.api import schemas as S
 from fairbatch.deployments.api.coalesce import coalesce
 from fairbatch.deployments.api.http import ClientGone, close_stream, sse, until_disconnect
 from fairbatch.deployments.api.schemas import ApiError
-from fairbatch.deployments.api.structured import ToolCallStream, ToolPlan
+from fairbatch.deployments.api.structured import ToolPlan, tool_stream
 from fairbatch.deployments.api.tenants import Admission
+from fairbatch.deployments.api.tool_parsers import AutoToolPlan
 
 log = logging.getLogger("fairbatch.api")
 
@@ -49,7 +50,7 @@ class ResponseRun:
         index: int = 0,
         echo: tuple[str, list[int]] | None = None,
         discard_output: bool = False,
-        tools: ToolPlan | None = None,
+        tools: ToolPlan | AutoToolPlan | None = None,
     ) -> None:
         self.api = api
         self.ticket = ticket
@@ -60,8 +61,8 @@ class ResponseRun:
         self.index = index
         self.echo = echo  # (prompt text, prompt ids) to put before the completion
         self.discard_output = discard_output  # max_tokens 0: the one engine token is dropped
-        # a forced tool call: the output becomes `tool_calls` (deployments/api/structured.py)
-        self.tool_call = ToolCallStream(tools) if tools is not None else None
+        # tools: the output becomes `tool_calls` (deployments/api/structured.py)
+        self.tool_call = tool_stream(tools) if tools is not None else None
         self.cached_tokens = 0
         self.text_len = 0
         self.created = ticket.created
@@ -168,15 +169,17 @@ class ResponseRun:
         return choice
 
     def choice(self, text: str, records: list[Any] | None, reason: str | None) -> dict:
+        finish = S.finish_reason(reason)
+        if self.tool_call is not None:  # (it may hold text, and the records scoring it)
+            delta, finish, records = self.tool_call.delta(text, reason, records)
+        elif self.chat:
+            delta = {"content": text} if text or reason is None else {}
         lp = self.logprobs(records) if self.top_n is not None and records else None
         if self.chat:
-            delta = {"content": text} if text or reason is None else {}
             c: dict[str, Any] = {"index": self.index, "delta": delta}
         else:
             c = {"index": self.index, "text": text}
-        c.update(logprobs=lp, finish_reason=S.finish_reason(reason))
-        if self.tool_call is not None:
-            c["delta"], c["finish_reason"] = self.tool_call.delta(text, reason)
+        c.update(logprobs=lp, finish_reason=finish)
         self.text_len += len(text)
         return c
 

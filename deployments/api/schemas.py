@@ -289,7 +289,7 @@ class ChatCompletionRequest(_SamplingFields):
     # checked in deployments/api/structured.py
     tools: list[Any] | None = None
     tool_choice: Any = None  # "none" | "auto" | "required" | {"type": "function", ...}
-    parallel_tool_calls: bool | None = None  # accepted: a forced call is one call
+    parallel_tool_calls: bool | None = None  # false: "auto" returns one call (forced: one)
     response_format: dict[str, Any] | None = None
 
     def check_unsupported(self) -> None:

@@ -472,7 +472,7 @@ def create_app(
         params = body.sampling_params(
             max_tokens, top_n, stop, vocab=api.tokenizer.vocab_size, deadlines=tenant.deadlines
         )
-        plan = await chat_plan(body)  # response_format, tools
+        plan = await chat_plan(body, api.config.tool_call_parser)  # response_format, tools
         params = with_grammar(params, plan.grammar)
         runs = [
             ResponseRun(

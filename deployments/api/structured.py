@@ -9,7 +9,9 @@ What is served (OpenAI's request shapes):
 * chat `tools` with `tool_choice`: `"required"` or a named function (`{"type": "function",
   "function": {"name": ...}}`) force one tool call whose arguments match the function's
   `parameters`; `"none"` ignores the tools (plain text); `"auto"` (OpenAI's default when tools
-  are given) is not built and answers 400. A named function's output is its arguments object.
+  are given) lets the model write freely and parses the calls it writes in the format the app's
+  `tool_call_parser` names (deployments/api/tool_parsers.py; without one, 400). A named
+  function's output is its arguments object.
   With `"required"` the output is `{"name": <tool>, "arguments": <its arguments>}`, one JSON
   schema branch per tool (`anyOf`, each `name` a `const`), so the grammar picks the tool and
   then its arguments; the reply is one call either way.
@@ -33,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fairbatch.deployments.api.schemas import bad_request
+from fairbatch.deployments.api.tool_parsers import PARSERS, AutoToolCalls, AutoToolPlan
 from fairbatch.engine.structured import GrammarSpec, schema_error
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's function and schema names
@@ -54,7 +57,7 @@ class ToolPlan:
 @dataclass(frozen=True)
 class ChatPlan:
     grammar: GrammarSpec | None = None
-    tools: ToolPlan | None = None
+    tools: ToolPlan | AutoToolPlan | None = None
 
 
 def _checked(spec: GrammarSpec, param: str) -> GrammarSpec:
@@ -116,8 +119,14 @@ def _functions(tools: list[Any]) -> dict[str, dict]:
     return out
 
 
-def tool_plan(tools: list[Any] | None, tool_choice: Any) -> tuple[GrammarSpec, ToolPlan] | None:
-    """The grammar and plan of a forced call, or None when the tools are not used."""
+def tool_plan(
+    tools: list[Any] | None,
+    tool_choice: Any,
+    parser: str | None = None,
+    parallel: bool | None = None,
+) -> tuple[GrammarSpec | None, ToolPlan | AutoToolPlan] | None:
+    """The grammar and plan of the tools (a forced call, or "auto" with the app's `parser`),
+    or None when the tools are not used."""
     if tool_choice is None:
         tool_choice = "auto" if tools else "none"
     if tool_choice == "none":
@@ -126,12 +135,15 @@ def tool_plan(tools: list[Any] | None, tool_choice: Any) -> tuple[GrammarSpec, T
         raise bad_request("tool_choice needs tools", "tool_choice")
     functions = _functions(tools)
     if tool_choice == "auto":
-        raise bad_request(
-            "tool_choice 'auto' is not built: set tool_choice to 'required' or to a named "
-            "function, or to 'none'",
-            "tool_choice",
-            "tool_choice_not_supported",
-        )
+        if parser is None:
+            raise bad_request(
+                "tool_choice 'auto' needs the app's tool_call_parser (one of "
+                f"{', '.join(PARSERS)}, the model's call format): set it in the app config, "
+                "or set tool_choice to 'required', a named function or 'none'",
+                "tool_choice",
+                "tool_choice_not_supported",
+            )
+        return None, AutoToolPlan(parser, tuple(functions), parallel is not False)
     if tool_choice == "required":
         branches = [
             {
@@ -157,14 +169,22 @@ def tool_plan(tools: list[Any] | None, tool_choice: Any) -> tuple[GrammarSpec, T
     return _checked(spec, "tools"), ToolPlan((name,), name)
 
 
-async def chat_plan(body: Any) -> ChatPlan:
-    """The grammar (and forced call) of a chat request; a forced call wins over a
-    response_format. Runs off the event loop: the first use imports xgrammar."""
+async def chat_plan(body: Any, parser: str | None = None) -> ChatPlan:
+    """The grammar and tool plan of a chat request (`parser`: the app's tool_call_parser); a
+    forced call wins over a response_format. Runs off the event loop: the first use imports
+    xgrammar."""
 
     def plan() -> ChatPlan:
-        forced = tool_plan(body.tools, body.tool_choice)
-        if forced is not None:
-            return ChatPlan(*forced)
+        used = tool_plan(body.tools, body.tool_choice, parser, body.parallel_tool_calls)
+        if isinstance(used, tuple) and isinstance(used[1], AutoToolPlan):
+            if response_format_grammar(body.response_format) is not None:
+                raise bad_request(
+                    "response_format cannot be combined with tool_choice 'auto' (the format "
+                    "would keep the model from writing a call)",
+                    "response_format",
+                )
+        if used is not None:
+            return ChatPlan(*used)
         return ChatPlan(response_format_grammar(body.response_format))
 
     if body.response_format is None and body.tools is None and body.tool_choice is None:
@@ -197,9 +217,11 @@ class ToolCallStream:
         self.arguments = ""  # the arguments sent so far
         self.started = False  # the call's first item (id, name) went out
 
-    def delta(self, text: str, reason: str | None) -> tuple[dict, str | None]:
-        """The chat delta and finish_reason for the next piece of output (`reason`: the
-        engine's, None while it runs)."""
+    def delta(
+        self, text: str, reason: str | None, records: list[Any] | None = None
+    ) -> tuple[dict, str | None, list[Any]]:
+        """The chat delta, finish_reason and log-prob records (`records`, sent as they come)
+        for the next piece of output (`reason`: the engine's, None while it runs)."""
         self.text += text
         if self.head is None:
             m = _CALL_HEAD.match(self.text)
@@ -221,8 +243,8 @@ class ToolCallStream:
                 items.append({"index": 0, "function": {"arguments": rest}})
         finish = None if reason is None else self._finish_reason(reason)
         if finish is not None and not self.started:  # no call came out of it: plain text
-            return ({"content": self.text} if self.text else {}), finish
-        return ({"tool_calls": items} if items else {}), finish
+            return ({"content": self.text} if self.text else {}), finish, records or []
+        return ({"tool_calls": items} if items else {}), finish, records or []
 
     def _finish_reason(self, reason: str) -> str:
         if reason == "length":
@@ -240,9 +262,14 @@ class ToolCallStream:
 
     def message(self, text: str, reason: str | None) -> tuple[dict, str | None]:
         """The whole reply's message and finish_reason."""
-        _, finish = self.delta(text, reason)
+        _, finish, _ = self.delta(text, reason)
         if finish != "tool_calls":
             return {"role": "assistant", "content": self.text}, finish
         call = {"id": self.id, "type": "function",
                 "function": {"name": self.name, "arguments": self.arguments}}  # fmt: skip
         return {"role": "assistant", "content": None, "tool_calls": [call]}, finish
+
+
+def tool_stream(plan: ToolPlan | AutoToolPlan) -> ToolCallStream | AutoToolCalls:
+    """The output converter of one request's tool plan."""
+    return AutoToolCalls(plan) if isinstance(plan, AutoToolPlan) else ToolCallStream(plan)

@@ -172,8 +172,8 @@ def test_tool_choice_none_ignores_the_tools(served):
 @pytest.mark.parametrize(
     "extra, needle",
     [
-        ({"tools": [WEATHER]}, "not built"),  # tool_choice defaults to auto
-        ({"tools": [WEATHER], "tool_choice": "auto"}, "not built"),
+        ({"tools": [WEATHER]}, "tool_call_parser"),  # tool_choice defaults to auto
+        ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_call_parser"),
         ({"tool_choice": "required"}, "needs tools"),
         ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
          "not one of the tools"),
@@ -258,7 +258,7 @@ def test_tool_call_stream_splits_the_same_way_whatever_the_pieces(pieces):
         stream = ToolCallStream(plan)
         chunks = [text[i : i + pieces] for i in range(0, len(text), pieces)]
         deltas = [stream.delta(c, None)[0] for c in chunks[:-1]]
-        last, finish = stream.delta(chunks[-1], "stop")
+        last, finish, _ = stream.delta(chunks[-1], "stop")
         items = [it for d in [*deltas, last] for it in d.get("tool_calls", [])]
         assert finish == "tool_calls" and items[0]["function"]["name"] == "get_weather"
         assert "".join(it["function"]["arguments"] for it in items) == args

@@ -1,0 +1,246 @@
+"""`tool_choice: "auto"`: the model writes freely; the calls it writes in its family's format come
+back as OpenAI `tool_calls`, the rest as content.
+
+The app's `tool_call_parser` names the format (vLLM's `--tool-call-parser` names the same ones):
+
+* `hermes` (Qwen2 and Qwen2.5, Hermes, and other templates that ask for `<tool_call>` tags): each
+  call is `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, anywhere in the output; the
+  text around the calls is the content.
+* `llama3_json` (Llama 3.1-3.3 JSON tool calling): the whole output is the calls, one or more
+  `{"name": ..., "parameters": {...}}` objects (`arguments` is taken too) separated by `;`,
+  optionally after `<|python_tag|>`; an output that does not start with `{` is content.
+
+A block becomes calls only when each of its objects names one of the request's tools and has a
+JSON object of arguments; any other block is content, as the model wrote it. The arguments are
+not checked against the tool's schema (a forced call, `tool_choice: "required"` or a named
+function, is enforced with a grammar instead). With `parallel_tool_calls: false` only the first
+call is returned. Whitespace between the content and a call, and after the last call, is
+dropped.
+
+Streaming: content goes out as it comes, except text that may be the start of a call, which is
+held until it is known; a call goes out whole, as one `delta.tool_calls` item (index, id, type,
+name and all its arguments), once its block is complete. Log-probs are held with the text they
+score and go out with it (or with the call it became). The whole (non-streamed) reply runs the
+same code on the whole output, so the two agree.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+from fairbatch.deployments.api.schemas import finish_reason
+
+
+@dataclass(frozen=True)
+class AutoToolPlan:
+    """`tool_choice: "auto"` with the app's parser: which tools the calls may name."""
+
+    parser: str
+    names: tuple[str, ...]
+    parallel: bool = True
+
+
+@dataclass(frozen=True)
+class Block:
+    """Text that may hold calls: `calls` is [(name, arguments)] when it parsed as calls, else
+    None (then `raw` is content)."""
+
+    raw: str
+    calls: list[tuple[str, dict]] | None
+
+
+def _call(obj: Any, keys: tuple[str, ...]) -> tuple[str, dict] | None:
+    if not (isinstance(obj, dict) and isinstance(obj.get("name"), str)):
+        return None
+    args = next((obj[k] for k in keys if k in obj), None)
+    return (obj["name"], args) if isinstance(args, dict) else None
+
+
+def _json_objects(text: str, sep: str) -> list[Any] | None:
+    """The JSON values of `text`, separated by `sep` and whitespace; None if it is not that."""
+    decoder = json.JSONDecoder()
+    out, i = [], 0
+    while True:
+        while i < len(text) and text[i].isspace():
+            i += 1
+        try:
+            value, i = decoder.raw_decode(text, i)
+        except ValueError:
+            return None
+        out.append(value)
+        rest = text[i:].lstrip()
+        if not rest:
+            return out
+        if not rest.startswith(sep):
+            return None
+        i = len(text) - len(rest) + len(sep)
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """The length of the longest end of `text` that is a start of `tag` (held: it may be one)."""
+    for n in range(min(len(text), len(tag) - 1), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class HermesFormat:
+    START, END = "<tool_call>", "</tool_call>"
+
+    def __init__(self) -> None:
+        self.buf = ""
+        self.in_call = False
+
+    def held(self) -> bool:
+        return bool(self.buf) or self.in_call
+
+    def feed(self, text: str, final: bool) -> list[str | Block]:
+        self.buf += text
+        out: list[str | Block] = []
+        while True:
+            if not self.in_call:
+                i = self.buf.find(self.START)
+                if i < 0:
+                    keep = 0 if final else _partial_suffix(self.buf, self.START)
+                    if len(self.buf) > keep:
+                        out.append(self.buf[: len(self.buf) - keep])
+                        self.buf = self.buf[len(self.buf) - keep :]
+                    return out
+                if i:
+                    out.append(self.buf[:i])
+                self.buf, self.in_call = self.buf[i + len(self.START) :], True
+                continue
+            j = self.buf.find(self.END)
+            if j < 0:
+                if final:  # a call cut short (or never closed): content, as written
+                    out.append(self.START + self.buf)
+                    self.buf, self.in_call = "", False
+                return out
+            body = self.buf[:j]
+            objs = _json_objects(body, ";")
+            call = _call(objs[0], ("arguments",)) if objs and len(objs) == 1 else None
+            raw = self.START + body + self.END
+            out.append(Block(raw, None if call is None else [call]))
+            self.buf, self.in_call = self.buf[j + len(self.END) :], False
+
+
+class Llama3JsonFormat:
+    TAG = "<|python_tag|>"
+
+    def __init__(self) -> None:
+        self.buf = ""
+        self.calls: bool | None = None  # None until the output's start tells
+
+    def held(self) -> bool:
+        return bool(self.buf)
+
+    def feed(self, text: str, final: bool) -> list[str | Block]:
+        if self.calls is False:
+            return [text] if text else []
+        self.buf += text
+        head = self.buf.lstrip()
+        if self.calls is None:
+            if head.startswith(self.TAG) or head.startswith("{"):
+                self.calls = True
+            elif head and not self.TAG.startswith(head):
+                self.calls = False
+            elif not final:
+                return []  # only whitespace, or a start of the tag, so far
+        if not self.calls:
+            out, self.buf, self.calls = self.buf, "", False
+            return [out] if out else []
+        if not final:
+            return []
+        body = head.removeprefix(self.TAG)
+        objs = _json_objects(body, ";")
+        calls = [_call(o, ("parameters", "arguments")) for o in objs or []]
+        ok = bool(calls) and all(c is not None for c in calls)
+        raw, self.buf = self.buf, ""
+        return [Block(raw, calls if ok else None)]
+
+
+FORMATS = {"hermes": HermesFormat, "llama3_json": Llama3JsonFormat}
+PARSERS = tuple(FORMATS)  # (AppConfig.tool_call_parser takes these)
+
+
+class AutoToolCalls:
+    """One request's output text -> content and `tool_calls` (streamed or whole)."""
+
+    def __init__(self, plan: AutoToolPlan) -> None:
+        self.plan = plan
+        self.format = FORMATS[plan.parser]()
+        self.calls: list[dict] = []  # the calls that went out, each with its index
+        self.content: list[str] = []  # the content that went out
+        self.space = ""  # whitespace at the end of the content so far, held
+        self.records: list[Any] = []  # log-prob records of text still held
+
+    def _take(self, block: Block) -> list[dict] | None:
+        if block.calls is None or any(n not in self.plan.names for n, _ in block.calls):
+            return None
+        out = []
+        for name, args in block.calls:
+            if self.calls and not self.plan.parallel:
+                break  # parallel_tool_calls false: the first call only
+            fn = {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}
+            call = {"index": len(self.calls), "id": f"call_{secrets.token_hex(12)}",
+                    "type": "function", "function": fn}  # fmt: skip
+            self.calls.append(call)
+            out.append(call)
+        return out
+
+    def _content(self, text: str) -> str:
+        """What of the content `text` goes out now: its trailing whitespace is held, to go out
+        with the next content or to be dropped before a call."""
+        if not text.strip():
+            self.space += text
+            return ""
+        kept = text.rstrip()
+        out, self.space = self.space + kept, text[len(kept) :]
+        return out
+
+    def delta(
+        self, text: str, reason: str | None, records: list[Any] | None = None
+    ) -> tuple[dict, str | None, list[Any]]:
+        """The chat delta, finish_reason and the log-prob records to send with it, for the
+        next piece of output (`reason`: the engine's, None while it runs)."""
+        final = reason is not None
+        self.records.extend(records or [])
+        sent, calls, content = "", [], ""
+        for piece in self.format.feed(text, final):
+            taken = self._take(piece) if isinstance(piece, Block) else None
+            if taken is None:
+                content += piece.raw if isinstance(piece, Block) else piece
+                continue
+            sent += self._content(content)
+            content, self.space = "", ""
+            calls.extend(taken)
+        sent += self._content(content)
+        if final and not self.calls:  # no call: the content exactly as the model wrote it
+            sent, self.space = sent + self.space, ""
+        if sent:
+            self.content.append(sent)
+        delta: dict[str, Any] = {}
+        if sent:
+            delta["content"] = sent
+        if calls:
+            delta["tool_calls"] = calls
+        release = final or not (self.format.held() or self.space)
+        given, self.records = (self.records, []) if release else ([], self.records)
+        return delta, self._finish(reason), given
+
+    def _finish(self, reason: str | None) -> str | None:
+        if reason == "stop" and self.calls:
+            return "tool_calls"
+        return finish_reason(reason)
+
+    def message(self, text: str, reason: str | None) -> tuple[dict, str | None]:
+        """The whole reply's message and finish_reason."""
+        _, finish, _ = self.delta(text, reason)
+        content = "".join(self.content)
+        if not self.calls:
+            return {"role": "assistant", "content": content}, finish
+        calls = [{k: v for k, v in c.items() if k != "index"} for c in self.calls]
+        return {"role": "assistant", "content": content or None, "tool_calls": calls}, finish
