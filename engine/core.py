@@ -176,6 +176,7 @@ class EngineCore:
             stop=params.stop or (),
             include_stop_str_in_output=params.include_stop_str_in_output,
         )
+        detok.stop_token_ids = request.stop_token_ids  # (EOS among them unless ignore_eos)
         for token in request.output_token_ids:  # a migrated request: text already delivered
             detok.add_token(token)
         self.detoks[request.request_id] = detok
@@ -262,7 +263,13 @@ class EngineCore:
         text, finished = "", reason is not None
         detok = self.detoks.get(rid)
         if detok is not None:
-            for token in tokens:
+            decoded = tokens
+            if reason == "stop" and tokens and tokens[-1] in detok.stop_token_ids:
+                # The token that stopped it (EOS or a stop token id) is not output text, as a
+                # stop string is not (and as in vLLM), unless `include_stop_str_in_output`.
+                if not detok.include_stop_str_in_output:
+                    decoded = tokens[:-1]
+            for token in decoded:
                 text += detok.add_token(token)
             if detok.stopped and not finished:
                 # A stop string ended it: the scheduler frees its blocks now.

@@ -5,6 +5,7 @@ plainly, with chunked prefills, under swap preemption, under recompute preemptio
 shared prefixes hitting the prefix cache.
 """
 
+import dataclasses
 import json
 import random
 import shutil
@@ -150,6 +151,29 @@ def test_eos_stops_generation(llama_ckpt, tmp_path):
     past = llm.generate([prompt], free_params)[0]
     assert past.token_ids == tokens and past.finish_reason == "length"
     assert llm.engine.scheduler.kv.all_free()
+
+
+def test_the_token_that_stops_a_request_is_not_in_its_text():
+    """A stop token id (or EOS) ends the request and stays in its token ids, but not in its
+    text, as a stop string is not (vLLM's convention): even when special tokens are kept in the
+    text. `include_stop_str_in_output` keeps it. The reference text is the tokenizer's decode."""
+    llm = LLM("tiny", num_gpu_blocks=256)
+    tok = llm.engine.tokenizer
+    free = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    ids = llm.generate(["fair batching"], free)[0].token_ids
+    cut = next(i for i, t in enumerate(ids) if i >= 3 and t not in ids[:i])
+    stop = SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[ids[cut]])
+    out = llm.generate(["fair batching"], stop)[0]
+    assert out.token_ids == ids[: cut + 1] and out.finish_reason == "stop"
+    assert out.text == tok.decode(ids[:cut])
+    kept = dataclasses.replace(stop, include_stop_str_in_output=True)
+    assert llm.generate(["fair batching"], kept)[0].text == tok.decode(ids[: cut + 1])
+    # EOS with special tokens kept in the text: the EOS itself is not
+    eos = min(llm.engine.eos_token_ids)
+    raw = SamplingParams(temperature=0, max_tokens=12, skip_special_tokens=False)
+    ends = llm.generate(["fair batching"], dataclasses.replace(raw, logit_bias={eos: 100.0}))[0]
+    assert ends.token_ids == [eos] and ends.text == "" and ends.finish_reason == "stop"
+    assert tok.decode([eos], skip_special_tokens=False)  # (it has a text of its own)
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent():
