@@ -86,7 +86,8 @@ class SamplingParams:
     min_p: float = 0.0  # drop tokens with prob < min_p * max prob
     seed: int | None = None  # makes sampling reproducible and batch-independent (see sampler)
     stop: list[str] | str | None = None  # stop strings, cut from the output text
-    stop_token_ids: list[int] | None = None  # extra stop tokens, besides EOS
+    # extra stop tokens, besides EOS; the one that stops it is in token_ids, not in the text
+    stop_token_ids: list[int] | None = None
     ignore_eos: bool = False  # keep generating past EOS tokens
     presence_penalty: float = 0.0  # subtracted once from every token already generated
     frequency_penalty: float = 0.0  # subtracted per occurrence in the generated tokens
@@ -95,7 +96,7 @@ class SamplingParams:
     # for every prompt token after the first: its logprob under the model and the top-N
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None  # added to the logits before sampling
-    include_stop_str_in_output: bool = False  # keep the matched stop string in the text
+    include_stop_str_in_output: bool = False  # keep the matched stop string (or token) in the text
     skip_special_tokens: bool = True  # drop special tokens from the output text
     # the output must match this grammar (a JSON schema; engine/structured.py)
     structured_output: GrammarSpec | None = None
