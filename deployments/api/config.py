@@ -107,8 +107,9 @@ class AppConfig(_Strict):
     # one SSE chunk (0 = a chunk per delta); the first token always leaves at once.
     stream_interval_ms: float = Field(default=50.0, ge=0, le=1000)
     # The model's tool-call format, for `tool_choice: "auto"` (deployments/api/tool_parsers.py):
-    # "hermes" (Qwen2, Qwen2.5, Hermes) or "llama3_json" (Llama 3.1+). None: "auto" is a 400.
-    tool_call_parser: Literal["hermes", "llama3_json"] | None = None
+    # "hermes" (Qwen2, Qwen2.5, Hermes), "llama3_json" (Llama 3.1+) or "mistral". None: "auto"
+    # is a 400.
+    tool_call_parser: Literal["hermes", "llama3_json", "mistral"] | None = None
     # Cluster-layer settings (replicas, routing, engine kwargs) are passed through untouched
     # for the app builder; the ingress itself does not read them.
     num_replicas: int = Field(default=1, ge=1)

@@ -46,7 +46,12 @@ from fairbatch.deployments.api.http import (
 from fairbatch.deployments.api.prometheus import ApiMetrics, add_metrics_route
 from fairbatch.deployments.api.responses import ResponseRun, complete_runs, stream_runs
 from fairbatch.deployments.api.schemas import ApiError, bad_request
-from fairbatch.deployments.api.structured import chat_plan, completion_grammar, with_grammar
+from fairbatch.deployments.api.structured import (
+    chat_plan,
+    completion_grammar,
+    with_grammar,
+    with_plan,
+)
 from fairbatch.deployments.api.tenants import (
     Admission,
     AuthError,
@@ -473,7 +478,7 @@ def create_app(
             max_tokens, top_n, stop, vocab=api.tokenizer.vocab_size, deadlines=tenant.deadlines
         )
         plan = await chat_plan(body, api.config.tool_call_parser)  # response_format, tools
-        params = with_grammar(params, plan.grammar)
+        params = with_plan(params, plan)
         runs = [
             ResponseRun(
                 api, ticket, it, first, chat=True, top_n=top_n, tools=plan.tools, index=sample

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fairbatch.deployments.api.schemas import bad_request
-from fairbatch.deployments.api.tool_parsers import PARSERS, AutoToolCalls, AutoToolPlan
+from fairbatch.deployments.api.tool_parsers import FORMATS, PARSERS, AutoToolCalls, AutoToolPlan
 from fairbatch.engine.structured import GrammarSpec, schema_error
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's function and schema names
@@ -203,6 +203,16 @@ def with_grammar(params: Any, grammar: GrammarSpec | None) -> Any:
     if grammar is None:
         return params
     return dataclasses.replace(params, structured_output=grammar)
+
+
+def with_plan(params: Any, plan: ChatPlan) -> Any:
+    """`params` with the chat plan's grammar, and with special tokens kept in the text when the
+    tool-call format is written with some (Mistral's `[TOOL_CALLS]`)."""
+    params = with_grammar(params, plan.grammar)
+    tools = plan.tools
+    if isinstance(tools, AutoToolPlan) and FORMATS[tools.parser].keeps_special_tokens:
+        params = dataclasses.replace(params, skip_special_tokens=False)
+    return params
 
 
 class ToolCallStream:

@@ -9,6 +9,12 @@ The app's `tool_call_parser` names the format (vLLM's `--tool-call-parser` names
 * `llama3_json` (Llama 3.1-3.3 JSON tool calling): the whole output is the calls, one or more
   `{"name": ..., "parameters": {...}}` objects (`arguments` is taken too) separated by `;`,
   optionally after `<|python_tag|>`; an output that does not start with `{` is content.
+* `mistral` (Mistral's instruct models): the content, then `[TOOL_CALLS]` and the calls to the
+  end: a JSON list of `{"name": ..., "arguments": {...}}` (tokenizers before v11, e.g.
+  Mistral-7B-Instruct-v0.3), or `name[ARGS]{...}` after each `[TOOL_CALLS]` (v11 and later,
+  `[CALL_ID]...` before `[ARGS]` allowed). `[TOOL_CALLS]` is a special token, so these requests
+  keep special tokens in their text. Call ids are 9 letters and digits: Mistral's templates
+  refuse any other id when the calls come back in the conversation.
 
 A block becomes calls only when each of its objects names one of the request's tools and has a
 JSON object of arguments; any other block is content, as the model wrote it. The arguments are
@@ -27,7 +33,9 @@ same code on the whole output, so the two agree.
 from __future__ import annotations
 
 import json
+import re
 import secrets
+import string
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,8 +95,24 @@ def _partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
+def _split_at(buf: str, tag: str, final: bool) -> tuple[str, str | None]:
+    """(the content of `buf` that can go out, `buf` from `tag` on or None without it): an end
+    that may be the start of `tag` is kept back (in neither part) unless `final`."""
+    i = buf.find(tag)
+    if i >= 0:
+        return buf[:i], buf[i:]
+    keep = 0 if final else _partial_suffix(buf, tag)
+    return buf[: len(buf) - keep], None
+
+
+def _call_id() -> str:
+    return f"call_{secrets.token_hex(12)}"
+
+
 class HermesFormat:
     START, END = "<tool_call>", "</tool_call>"
+    keeps_special_tokens = False
+    call_id = staticmethod(_call_id)
 
     def __init__(self) -> None:
         self.buf = ""
@@ -102,16 +126,13 @@ class HermesFormat:
         out: list[str | Block] = []
         while True:
             if not self.in_call:
-                i = self.buf.find(self.START)
-                if i < 0:
-                    keep = 0 if final else _partial_suffix(self.buf, self.START)
-                    if len(self.buf) > keep:
-                        out.append(self.buf[: len(self.buf) - keep])
-                        self.buf = self.buf[len(self.buf) - keep :]
+                content, rest = _split_at(self.buf, self.START, final)
+                if content:
+                    out.append(content)
+                if rest is None:
+                    self.buf = self.buf[len(content) :]
                     return out
-                if i:
-                    out.append(self.buf[:i])
-                self.buf, self.in_call = self.buf[i + len(self.START) :], True
+                self.buf, self.in_call = rest[len(self.START) :], True
                 continue
             j = self.buf.find(self.END)
             if j < 0:
@@ -129,6 +150,8 @@ class HermesFormat:
 
 class Llama3JsonFormat:
     TAG = "<|python_tag|>"
+    keeps_special_tokens = False
+    call_id = staticmethod(_call_id)
 
     def __init__(self) -> None:
         self.buf = ""
@@ -162,7 +185,60 @@ class Llama3JsonFormat:
         return [Block(raw, calls if ok else None)]
 
 
-FORMATS = {"hermes": HermesFormat, "llama3_json": Llama3JsonFormat}
+_MISTRAL_CALL = re.compile(
+    r"\s*([A-Za-z0-9_-]+)(?:\[CALL_ID\][A-Za-z0-9]*)?(?:\[ARGS\])?(.*)", re.S
+)
+_ALNUM = string.ascii_letters + string.digits
+
+
+def _mistral_calls(raw: str) -> list[tuple[str, dict]] | None:
+    """The calls after `[TOOL_CALLS]` in either of Mistral's layouts, or None."""
+    parts = raw.split(MistralFormat.TAG)[1:]
+    if len(parts) == 1 and parts[0].lstrip().startswith("["):  # before v11: one JSON list
+        objs = _json_objects(parts[0], ";")
+        items = objs[0] if objs and len(objs) == 1 and isinstance(objs[0], list) else []
+        calls = [_call(o, ("arguments",)) for o in items]
+    else:  # v11 and later: name[ARGS]{...} after each tag
+        calls = []
+        for part in parts:
+            m = _MISTRAL_CALL.fullmatch(part)
+            objs = _json_objects(m.group(2), ";") if m else None
+            ok = objs is not None and len(objs) == 1 and isinstance(objs[0], dict)
+            calls.append((m.group(1), objs[0]) if ok else None)
+    return calls if calls and all(c is not None for c in calls) else None
+
+
+class MistralFormat:
+    TAG = "[TOOL_CALLS]"
+    keeps_special_tokens = True  # [TOOL_CALLS] is one
+
+    def __init__(self) -> None:
+        self.buf = ""
+        self.in_calls = False
+
+    @staticmethod
+    def call_id() -> str:
+        return "".join(secrets.choice(_ALNUM) for _ in range(9))
+
+    def held(self) -> bool:
+        return bool(self.buf)
+
+    def feed(self, text: str, final: bool) -> list[str | Block]:
+        self.buf += text
+        out: list[str | Block] = []
+        if not self.in_calls:
+            content, rest = _split_at(self.buf, self.TAG, final)
+            if content:
+                out.append(content)
+            self.buf = self.buf[len(content) :]
+            self.in_calls = rest is not None
+        if self.in_calls and final:  # the calls run to the end of the output
+            out.append(Block(self.buf, _mistral_calls(self.buf)))
+            self.buf = ""
+        return out
+
+
+FORMATS = {"hermes": HermesFormat, "llama3_json": Llama3JsonFormat, "mistral": MistralFormat}
 PARSERS = tuple(FORMATS)  # (AppConfig.tool_call_parser takes these)
 
 
@@ -185,7 +261,7 @@ class AutoToolCalls:
             if self.calls and not self.plan.parallel:
                 break  # parallel_tool_calls false: the first call only
             fn = {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}
-            call = {"index": len(self.calls), "id": f"call_{secrets.token_hex(12)}",
+            call = {"index": len(self.calls), "id": self.format.call_id(),
                     "type": "function", "function": fn}  # fmt: skip
             self.calls.append(call)
             out.append(call)

@@ -38,6 +38,10 @@ def hermes(name: str, args: dict) -> str:
 
 
 HERMES_REPLY = "I will look it up.\n" + hermes(GW, PARIS) + "\n" + hermes(GW, ROME)
+# Mistral before its v11 tokenizer: one JSON list after the special token
+MISTRAL_REPLY = "Checking.[TOOL_CALLS] " + json.dumps(
+    [{"name": GW, "arguments": PARIS}, {"name": GW, "arguments": ROME}]
+)
 
 # (parser, output, expected content, expected calls, engine reason, expected finish_reason)
 CASES = [
@@ -63,6 +67,15 @@ CASES = [
      '"parameters": {"city": "Pa', [], "length", "length"),
     ("llama3_json", '{"name": "nope", "parameters": {}}', '{"name": "nope", "parameters": {}}',
      [], "stop", "stop"),
+    ("mistral", MISTRAL_REPLY, "Checking.", [(GW, PARIS), (GW, ROME)], "stop", "tool_calls"),
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 2}[TOOL_CALLS]get_weather'
+     '[CALL_ID]a1b2c3d4e[ARGS]{"city": "Rome"}', None, [(GW, PARIS), (GW, ROME)], "stop",
+     "tool_calls"),
+    ("mistral", "a [TOOL", "a [TOOL", [], "stop", "stop"),
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": ', '[TOOL_CALLS]get_weather[ARGS]{"city": ',
+     [], "length", "length"),
+    ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "arguments": "Paris"}]',
+     '[TOOL_CALLS] [{"name": "get_weather", "arguments": "Paris"}]', [], "stop", "stop"),
 ]  # fmt: skip
 
 
@@ -74,6 +87,13 @@ def plan(parser: str, parallel: bool = True) -> AutoToolPlan:
     return AutoToolPlan(parser, (GW, "get_time"), parallel)
 
 
+def id_ok(parser: str, call_id: str) -> bool:
+    """Mistral's templates take ids of 9 letters and digits only; OpenAI's look like call_..."""
+    if parser == "mistral":
+        return len(call_id) == 9 and call_id.isascii() and call_id.isalnum()
+    return call_id.startswith("call_")
+
+
 @pytest.mark.parametrize("parser, text, content, calls, reason, finish", CASES)
 def test_the_whole_reply_has_the_content_and_calls_the_model_wrote(
     parser, text, content, calls, reason, finish
@@ -83,7 +103,7 @@ def test_the_whole_reply_has_the_content_and_calls_the_model_wrote(
     assert message["content"] == content
     assert calls_of(message.get("tool_calls", [])) == calls
     ids = [c["id"] for c in message.get("tool_calls", [])]
-    assert len(set(ids)) == len(ids) and all(i.startswith("call_") for i in ids)
+    assert len(set(ids)) == len(ids) and all(id_ok(parser, i) for i in ids)
 
 
 @pytest.mark.parametrize("parser, text, content, calls, reason, finish", CASES)
@@ -107,7 +127,7 @@ def test_every_split_into_deltas_streams_the_same_reply(
         assert "".join(d.get("content", "") for d, _, _ in out) == (content or "")
         items = [c for d, _, _ in out for c in d.get("tool_calls", [])]
         assert calls_of(items) == calls and [c["index"] for c in items] == list(range(len(calls)))
-        assert all(c["id"].startswith("call_") and c["type"] == "function" for c in items)
+        assert all(id_ok(parser, c["id"]) and c["type"] == "function" for c in items)
         # every record comes out once, in order
         assert [r for _, _, recs in out for r in recs] == list(range(len(pieces)))
 
@@ -143,10 +163,10 @@ def test_the_config_takes_exactly_the_parsers_that_exist():
         parse_config({"tool_call_parser": "pythonic"})
 
 
-# ---- the API over a scripted backend that writes a Hermes reply --------------------------------
+# ---- the API over a scripted backend that writes a Hermes (or Mistral) reply ---------------------
 
 
-class HermesBackend:
+class ScriptedReply:
     """Writes `reply` in deltas of `piece` characters, whatever the prompt."""
 
     def __init__(self, reply: str, piece: int = 3) -> None:
@@ -169,7 +189,7 @@ class HermesBackend:
 @pytest.fixture(scope="module")
 def scripted():
     loop = ServerLoop()
-    backend = HermesBackend(HERMES_REPLY)
+    backend = ScriptedReply(HERMES_REPLY)
     config = {"tenants": [{"name": "t", "api_key": KEY}], "tool_call_parser": "hermes"}
     url = loop.serve(create_app(backend, config))
     client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=30)
@@ -288,3 +308,46 @@ def test_the_tiny_models_call_comes_back_as_tool_calls(steered):
     assert [(t.function.name, json.loads(t.function.arguments)) for t in pieces] == want
     assert not any(c.choices[0].delta.content for c in chunks)
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+# Mistral's templates check the ids of the calls a conversation sends back (written here the way
+# Mistral-7B-Instruct-v0.3's does; the tiny model's own template renders content only).
+MISTRAL_TEMPLATE = (
+    "{% for m in messages %}{% if m.role == 'assistant' and m.tool_calls %}"
+    "{% for c in m.tool_calls %}{% if c.id | length != 9 %}"
+    "{{ raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}"
+    "{% endif %}[TOOL_CALLS]{{ c.function.name }}{% endfor %}"
+    "{% else %}[INST]{{ m.content }}[/INST]{% endif %}{% endfor %}"
+)
+
+
+def test_mistral_calls_come_back_with_ids_its_template_takes():
+    from fairbatch.engine.tokenizer import ASSETS_DIR
+
+    loop = ServerLoop()
+    backend = ScriptedReply(MISTRAL_REPLY)
+    backend.tokenizer = Tokenizer.from_files(
+        ASSETS_DIR / "tiny_tokenizer.json",
+        ASSETS_DIR / "tiny_tokenizer_config.json",
+        chat_template=MISTRAL_TEMPLATE,
+    )
+    config = {"tenants": [{"name": "t", "api_key": KEY}], "tool_call_parser": "mistral"}
+    try:
+        url = loop.serve(create_app(backend, config))
+        client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=30)
+        first = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=[WEATHER])
+        # [TOOL_CALLS] is a special token: the request keeps special tokens in its text
+        assert backend.params[-1].skip_special_tokens is False
+        msg = first.choices[0].message
+        got = [(c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls]
+        assert got == [(GW, PARIS), (GW, ROME)] and msg.content == "Checking."
+        results = [
+            {"role": "tool", "tool_call_id": c.id, "content": '{"celsius": 21}'}
+            for c in msg.tool_calls
+        ]
+        second = client.chat.completions.create(
+            model=MODEL, messages=[*QUESTION, msg, *results], tools=[WEATHER], tool_choice="none"
+        )  # the template took the ids (with call_<hex> ids it raises: a 400)
+        assert second.choices[0].message.content == MISTRAL_REPLY
+    finally:
+        loop.close()
