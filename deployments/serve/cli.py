@@ -33,6 +33,8 @@ def app_args(args: argparse.Namespace) -> dict[str, Any]:
         data["model"] = args.model or "tiny"
     if args.replicas is not None or "num_replicas" not in data:
         data["num_replicas"] = args.replicas or 2
+    if getattr(args, "tool_call_parser", None) is not None:
+        data["tool_call_parser"] = args.tool_call_parser
     return data
 
 
@@ -194,6 +196,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub: Any) -> None:
+    from fairbatch.deployments.api.tool_parsers import PARSERS
+
     p = sub.add_parser(
         "serve", help="run the OpenAI-compatible server on a local Ray (Ctrl-C stops it)"
     )
@@ -203,6 +207,11 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to listen on every interface")
     p.add_argument("--verbose", action="store_true", help="show the Ray workers' logs")
+    p.add_argument(
+        "--tool-call-parser",
+        choices=PARSERS,
+        help="the model's tool-call format for tool_choice 'auto' (config: tool_call_parser)",
+    )
     p.add_argument(
         "--proxy",
         action="store_true",

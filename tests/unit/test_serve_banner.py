@@ -1,6 +1,8 @@
-"""The banner of `fairbatch serve`: what a new user needs to reach the API and the dashboard."""
+"""`fairbatch serve`: its banner (what a new user needs to reach the API and the dashboard) and its flags."""
 
 from __future__ import annotations
+
+import pytest
 
 from fairbatch.deployments.serve.cli import banner, dashboard_access
 
@@ -29,3 +31,23 @@ def test_banner_warns_that_the_tiny_model_is_random_and_shows_the_key_to_use():
     real = banner(URL, "llama", DASH, False, False, "no token needed")
     assert "RANDOM" not in real and "Bearer <your API key>" in real and "EMPTY" not in real
     assert "(not running)" in banner(URL, "llama", None, False, False, "x")
+
+
+def test_the_tool_call_parser_flag_reaches_the_app_args(tmp_path):
+    import argparse
+
+    from fairbatch.deployments.serve.app import parse_app_args
+    from fairbatch.deployments.serve.cli import add_parser, app_args
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    config = tmp_path / "app.yaml"
+    config.write_text("tool_call_parser: hermes\n")
+    for argv, want in [
+        (["serve"], None),
+        (["serve", "--config", str(config)], "hermes"),
+        (["serve", "--config", str(config), "--tool-call-parser", "mistral"], "mistral"),
+    ]:
+        assert parse_app_args(app_args(parser.parse_args(argv))).tool_call_parser == want
+    with pytest.raises(SystemExit):  # argparse refuses a format that has no parser
+        parser.parse_args(["serve", "--tool-call-parser", "pythonic"])
