@@ -1,4 +1,5 @@
-"""`fairbatch serve`: its banner (what a new user needs to reach the API and the dashboard) and its flags."""
+"""`fairbatch serve`: its banner (what a new user needs to reach the API and the dashboard)
+and its flags."""
 
 from __future__ import annotations
 
