@@ -110,6 +110,9 @@ class AppConfig(_Strict):
     # "hermes" (Qwen2, Qwen2.5, Hermes), "llama3_json" (Llama 3.1+) or "mistral". None: "auto"
     # is a 400.
     tool_call_parser: Literal["hermes", "llama3_json", "mistral"] | None = None
+    # Chat replies of a reasoning model: "deepseek_r1" returns the text up to </think> as
+    # `reasoning_content` (deployments/api/reasoning.py). None: the output is the content.
+    reasoning_parser: Literal["deepseek_r1"] | None = None
     # Cluster-layer settings (replicas, routing, engine kwargs) are passed through untouched
     # for the app builder; the ingress itself does not read them.
     num_replicas: int = Field(default=1, ge=1)

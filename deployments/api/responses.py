@@ -28,9 +28,7 @@ from fairbatch.deployments.api import schemas as S
 from fairbatch.deployments.api.coalesce import coalesce
 from fairbatch.deployments.api.http import ClientGone, close_stream, sse, until_disconnect
 from fairbatch.deployments.api.schemas import ApiError
-from fairbatch.deployments.api.structured import ToolPlan, tool_stream
 from fairbatch.deployments.api.tenants import Admission
-from fairbatch.deployments.api.tool_parsers import AutoToolPlan
 
 log = logging.getLogger("fairbatch.api")
 
@@ -50,7 +48,7 @@ class ResponseRun:
         index: int = 0,
         echo: tuple[str, list[int]] | None = None,
         discard_output: bool = False,
-        tools: ToolPlan | AutoToolPlan | None = None,
+        output: Any = None,
     ) -> None:
         self.api = api
         self.ticket = ticket
@@ -61,8 +59,9 @@ class ResponseRun:
         self.index = index
         self.echo = echo  # (prompt text, prompt ids) to put before the completion
         self.discard_output = discard_output  # max_tokens 0: the one engine token is dropped
-        # tools: the output becomes `tool_calls` (deployments/api/structured.py)
-        self.tool_call = tool_stream(tools) if tools is not None else None
+        # chat: the output's converter into the message (tool calls, reasoning; ChatPlan), or
+        # None for plain content
+        self.output = output
         self.cached_tokens = 0
         self.text_len = 0
         self.created = ticket.created
@@ -163,15 +162,15 @@ class ResponseRun:
         else:
             choice = {"index": self.index, "text": out_text}
         choice.update(logprobs=lp, finish_reason=S.finish_reason(reason))
-        if self.tool_call is not None:
-            choice["message"], choice["finish_reason"] = self.tool_call.message(out_text, reason)
+        if self.output is not None:
+            choice["message"], choice["finish_reason"] = self.output.message(out_text, reason)
         self.outcome = "ok"
         return choice
 
     def choice(self, text: str, records: list[Any] | None, reason: str | None) -> dict:
         finish = S.finish_reason(reason)
-        if self.tool_call is not None:  # (it may hold text, and the records scoring it)
-            delta, finish, records = self.tool_call.delta(text, reason, records)
+        if self.output is not None:  # (it may hold text, and the records scoring it)
+            delta, finish, records = self.output.delta(text, reason, records)
         elif self.chat:
             delta = {"content": text} if text or reason is None else {}
         lp = self.logprobs(records) if self.top_n is not None and records else None

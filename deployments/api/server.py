@@ -477,15 +477,22 @@ def create_app(
         params = body.sampling_params(
             max_tokens, top_n, stop, vocab=api.tokenizer.vocab_size, deadlines=tenant.deadlines
         )
-        plan = await chat_plan(body, api.config.tool_call_parser)  # response_format, tools
+        cfg = api.config
+        plan = await chat_plan(body, cfg.tool_call_parser, cfg.reasoning_parser)
         params = with_plan(params, plan)
+        launched = await api.launch(request, tenant, "chatcmpl", [(ids, params)])
         runs = [
             ResponseRun(
-                api, ticket, it, first, chat=True, top_n=top_n, tools=plan.tools, index=sample
-            )  # fmt: skip
-            for ticket, it, first, _, sample in await api.launch(
-                request, tenant, "chatcmpl", [(ids, params)]
+                api,
+                ticket,
+                it,
+                first,
+                chat=True,
+                top_n=top_n,
+                output=plan.converter(),
+                index=sample,
             )
+            for ticket, it, first, _, sample in launched
         ]
         return await respond(request, runs, body)
 

@@ -34,6 +34,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
+from fairbatch.deployments.api.reasoning import ReasoningSplit
 from fairbatch.deployments.api.schemas import bad_request
 from fairbatch.deployments.api.tool_parsers import FORMATS, PARSERS, AutoToolCalls, AutoToolPlan
 from fairbatch.engine.structured import GrammarSpec, schema_error
@@ -58,6 +59,12 @@ class ToolPlan:
 class ChatPlan:
     grammar: GrammarSpec | None = None
     tools: ToolPlan | AutoToolPlan | None = None
+    reasoning: bool = False  # the output's thinking is split off (deployments/api/reasoning.py)
+
+    def converter(self) -> Any:
+        """A fresh converter of one output into the reply's message (None: plain content)."""
+        out = tool_stream(self.tools) if self.tools is not None else None
+        return ReasoningSplit(out) if self.reasoning else out
 
 
 def _checked(spec: GrammarSpec, param: str) -> GrammarSpec:
@@ -169,10 +176,20 @@ def tool_plan(
     return _checked(spec, "tools"), ToolPlan((name,), name)
 
 
-async def chat_plan(body: Any, parser: str | None = None) -> ChatPlan:
-    """The grammar and tool plan of a chat request (`parser`: the app's tool_call_parser); a
-    forced call wins over a response_format. Runs off the event loop: the first use imports
+async def chat_plan(
+    body: Any, parser: str | None = None, reasoning_parser: str | None = None
+) -> ChatPlan:
+    """The grammar and tool plan of a chat request (`parser`, `reasoning_parser`: the app's
+    tool_call_parser and reasoning_parser); a forced call wins over a response_format, and a
+    grammar turns the reasoning split off. Runs off the event loop: the first use imports
     xgrammar."""
+    got = await _chat_plan(body, parser)
+    if reasoning_parser is not None and got.grammar is None:
+        return dataclasses.replace(got, reasoning=True)
+    return got
+
+
+async def _chat_plan(body: Any, parser: str | None) -> ChatPlan:
 
     def plan() -> ChatPlan:
         used = tool_plan(body.tools, body.tool_choice, parser, body.parallel_tool_calls)

@@ -95,7 +95,7 @@ def _partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
-def _split_at(buf: str, tag: str, final: bool) -> tuple[str, str | None]:
+def split_at(buf: str, tag: str, final: bool) -> tuple[str, str | None]:
     """(the content of `buf` that can go out, `buf` from `tag` on or None without it): an end
     that may be the start of `tag` is kept back (in neither part) unless `final`."""
     i = buf.find(tag)
@@ -126,7 +126,7 @@ class HermesFormat:
         out: list[str | Block] = []
         while True:
             if not self.in_call:
-                content, rest = _split_at(self.buf, self.START, final)
+                content, rest = split_at(self.buf, self.START, final)
                 if content:
                     out.append(content)
                 if rest is None:
@@ -227,7 +227,7 @@ class MistralFormat:
         self.buf += text
         out: list[str | Block] = []
         if not self.in_calls:
-            content, rest = _split_at(self.buf, self.TAG, final)
+            content, rest = split_at(self.buf, self.TAG, final)
             if content:
                 out.append(content)
             self.buf = self.buf[len(content) :]

@@ -33,8 +33,9 @@ def app_args(args: argparse.Namespace) -> dict[str, Any]:
         data["model"] = args.model or "tiny"
     if args.replicas is not None or "num_replicas" not in data:
         data["num_replicas"] = args.replicas or 2
-    if getattr(args, "tool_call_parser", None) is not None:
-        data["tool_call_parser"] = args.tool_call_parser
+    for key in ("tool_call_parser", "reasoning_parser"):
+        if getattr(args, key, None) is not None:
+            data[key] = getattr(args, key)
     return data
 
 
@@ -196,6 +197,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub: Any) -> None:
+    from fairbatch.deployments.api.reasoning import PARSERS as REASONING_PARSERS
     from fairbatch.deployments.api.tool_parsers import PARSERS
 
     p = sub.add_parser(
@@ -211,6 +213,11 @@ def add_parser(sub: Any) -> None:
         "--tool-call-parser",
         choices=PARSERS,
         help="the model's tool-call format for tool_choice 'auto' (config: tool_call_parser)",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        help="return a reasoning model's thinking as reasoning_content (config: reasoning_parser)",
     )
     p.add_argument(
         "--proxy",

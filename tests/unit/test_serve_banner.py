@@ -34,7 +34,7 @@ def test_banner_warns_that_the_tiny_model_is_random_and_shows_the_key_to_use():
     assert "(not running)" in banner(URL, "llama", None, False, False, "x")
 
 
-def test_the_tool_call_parser_flag_reaches_the_app_args(tmp_path):
+def test_the_parser_flags_reach_the_app_args(tmp_path):
     import argparse
 
     from fairbatch.deployments.serve.app import parse_app_args
@@ -50,5 +50,7 @@ def test_the_tool_call_parser_flag_reaches_the_app_args(tmp_path):
         (["serve", "--config", str(config), "--tool-call-parser", "mistral"], "mistral"),
     ]:
         assert parse_app_args(app_args(parser.parse_args(argv))).tool_call_parser == want
+    thinking = parser.parse_args(["serve", "--reasoning-parser", "deepseek_r1"])
+    assert parse_app_args(app_args(thinking)).reasoning_parser == "deepseek_r1"
     with pytest.raises(SystemExit):  # argparse refuses a format that has no parser
         parser.parse_args(["serve", "--tool-call-parser", "pythonic"])

@@ -1,0 +1,102 @@
+"""`reasoning_parser: deepseek_r1`: a reasoning model's thinking comes back apart from its answer.
+
+DeepSeek-R1 and the models distilled from it (Qwen2 and Llama checkpoints) think first and then
+answer: their chat templates end the prompt with `<think>`, so the output is the reasoning up to
+`</think>`, then the answer (a leading `<think>` in the output is dropped too). vLLM's
+`--reasoning-parser deepseek_r1` splits it the same way. The reasoning is returned as the
+message's `reasoning_content` (the field DeepSeek's own API uses) and streamed as
+`delta.reasoning_content`; what follows `</think>` is the content, and with `tool_choice: "auto"`
+the calls are read from it (deployments/api/tool_parsers.py). An output without `</think>` is all
+reasoning, with content null, as in vLLM. A request with a grammar (`response_format`, a forced
+tool call) is not split: the grammar holds from its first token, so there is no thinking.
+
+Streamed, text that may be the start of `</think>` is held until it is known; log-probs go out
+with the text they score, as with tool calls.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fairbatch.deployments.api.schemas import finish_reason
+from fairbatch.deployments.api.tool_parsers import split_at
+
+PARSERS = ("deepseek_r1",)
+
+
+class ReasoningSplit:
+    """One request's output -> `reasoning_content`, then the content `inner` makes of the rest
+    (a tool-call converter, or None for plain content)."""
+
+    START, END = "<think>", "</think>"
+
+    def __init__(self, inner: Any = None) -> None:
+        self.inner = inner
+        self.thinking = True  # before </think>
+        self.opened = False  # past where a leading <think> would be
+        self.buf = ""  # held text
+        self.reasoning: list[str] = []  # the reasoning that went out
+        self.content: list[str] = []  # the plain content that went out (no inner)
+        self.records: list[Any] = []  # log-prob records of held text
+
+    def _think(self, final: bool) -> tuple[str, str]:
+        """(reasoning that goes out now, text after </think>) from the held text."""
+        if not self.opened:
+            head = self.buf
+            if head.startswith(self.START):
+                self.buf, self.opened = head[len(self.START) :], True
+            elif final or not self.START.startswith(head):
+                self.opened = True
+            else:
+                return "", ""  # (still a start of <think>)
+        out, rest = split_at(self.buf, self.END, final)
+        if rest is None:
+            self.buf = self.buf[len(out) :]
+            return out, ""
+        self.thinking, self.buf = False, ""
+        return out, rest[len(self.END) :]
+
+    def delta(
+        self, text: str, reason: str | None, records: list[Any] | None = None
+    ) -> tuple[dict, str | None, list[Any]]:
+        """The chat delta, finish_reason and log-prob records to send with it, for the next
+        piece of output (`reason`: the engine's, None while it runs)."""
+        final = reason is not None
+        self.records.extend(records or [])
+        thought, after = "", text
+        if self.thinking:
+            self.buf += text
+            thought, after = self._think(final)
+        delta: dict[str, Any] = {}
+        if thought:
+            self.reasoning.append(thought)
+            delta["reasoning_content"] = thought
+        if self.thinking and not final:  # nothing past </think> yet
+            if self.buf:
+                return delta, None, []
+            given, self.records = self.records, []
+            return delta, None, given
+        held, self.records = self.records, []
+        if self.inner is None:
+            if after:
+                self.content.append(after)
+                delta["content"] = after
+            return delta, finish_reason(reason), held
+        inner, finish, given = self.inner.delta(after, reason, held)
+        return {**delta, **inner}, finish, given
+
+    def message(self, text: str, reason: str | None) -> tuple[dict, str | None]:
+        """The whole reply's message and finish_reason."""
+        after = text
+        if self.thinking:
+            self.buf += text
+            thought, after = self._think(final=True)
+            self.reasoning.append(thought)
+        if self.thinking:  # never closed: all reasoning, no content
+            message, finish = {"role": "assistant", "content": None}, finish_reason(reason)
+        elif self.inner is None:
+            message, finish = {"role": "assistant", "content": after}, finish_reason(reason)
+        else:
+            message, finish = self.inner.message(after, reason)
+        message["reasoning_content"] = "".join(self.reasoning) or None
+        return message, finish

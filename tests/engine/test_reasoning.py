@@ -1,0 +1,161 @@
+"""`reasoning_parser: deepseek_r1`: a reasoning model's thinking (up to `</think>`) comes back as
+`reasoning_content`, the rest as content (or as tool calls with `tool_choice: "auto"`), streamed
+and whole alike; a request with a grammar is not split. The expected splits are written out by
+hand; every split of the text into deltas must give the same reply."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import openai
+import pytest
+from loopback import ServerLoop
+
+from fairbatch.deployments.api.backend import create_app
+from fairbatch.deployments.api.reasoning import ReasoningSplit
+from fairbatch.deployments.api.tool_parsers import AutoToolCalls, AutoToolPlan
+from fairbatch.deployments.cluster.wire import StreamItem
+from fairbatch.engine.tokenizer import Tokenizer
+
+MODEL = "fairbatch-tiny"
+KEY = "key-think"
+QUESTION = [{"role": "user", "content": "What is 2 + 2?"}]
+CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>'
+
+# (output, engine reason, reasoning, content, finish_reason)
+CASES = [
+    ("2 and 2 make 4.\n</think>\n\nIt is 4.", "stop", "2 and 2 make 4.\n", "\n\nIt is 4.", "stop"),
+    ("<think>hmm</think>ok", "stop", "hmm", "ok", "stop"),
+    ("<thinking is not the tag</think>x", "stop", "<thinking is not the tag", "x", "stop"),
+    ("it never ends its thinking", "stop", "it never ends its thinking", None, "stop"),
+    ("cut short </thi", "length", "cut short </thi", None, "length"),
+    ("</think>only an answer", "stop", None, "only an answer", "stop"),
+    ("<thi", "length", "<thi", None, "length"),
+]  # fmt: skip
+
+
+def pieces_of(text: str, rng: random.Random) -> list[list[str]]:
+    """The text cut into pieces of 1 and of 3 characters, and 15 times at random."""
+    out = []
+    for fixed in (1, 3, *([None] * 15)):
+        got, at = [], 0
+        while at < len(text):
+            n = fixed or rng.randint(1, 9)
+            got.append(text[at : at + n])
+            at += n
+        out.append(got)
+    return out
+
+
+def stream(converter, pieces: list[str], reason: str) -> list[tuple[dict, str | None, list]]:
+    out = [converter.delta(p, None, [i]) for i, p in enumerate(pieces[:-1])]
+    return [*out, converter.delta(pieces[-1], reason, [len(pieces) - 1])]
+
+
+@pytest.mark.parametrize("text, reason, reasoning, content, finish", CASES)
+def test_the_thinking_and_the_answer_come_apart(text, reason, reasoning, content, finish):
+    message, got = ReasoningSplit().message(text, reason)
+    assert message == {"role": "assistant", "content": content, "reasoning_content": reasoning}
+    assert got == finish
+    for pieces in pieces_of(text, random.Random(3)):
+        out = stream(ReasoningSplit(), pieces, reason)
+        assert "".join(d.get("reasoning_content", "") for d, _, _ in out) == (reasoning or "")
+        assert "".join(d.get("content", "") for d, _, _ in out) == (content or "")
+        assert [f for _, f, _ in out] == [None] * (len(pieces) - 1) + [finish]
+        assert [r for _, _, rs in out for r in rs] == list(range(len(pieces)))
+
+
+def test_log_probs_wait_for_a_possible_end_tag():
+    split = ReasoningSplit()
+    got = [split.delta(p, None, [i]) for i, p in enumerate(["a", " b</th", "ink>c"])]
+    got.append(split.delta("d", "stop", [3]))
+    assert [(d, rs) for d, _, rs in got] == [
+        ({"reasoning_content": "a"}, [0]),
+        ({"reasoning_content": " b"}, []),
+        ({"content": "c"}, [1, 2]),
+        ({"content": "d"}, [3]),
+    ]
+
+
+def test_calls_after_the_thinking_are_tool_calls():
+    text = "The user wants weather.</think>" + CALL
+    plan = AutoToolPlan("hermes", ("get_weather",))
+    message, finish = ReasoningSplit(AutoToolCalls(plan)).message(text, "stop")
+    assert finish == "tool_calls" and message["content"] is None
+    assert message["reasoning_content"] == "The user wants weather."
+    (call,) = message["tool_calls"]
+    assert (call["function"]["name"], json.loads(call["function"]["arguments"])) == (
+        "get_weather",
+        {"city": "Rome"},
+    )
+    for pieces in pieces_of(text, random.Random(5)):
+        out = stream(ReasoningSplit(AutoToolCalls(plan)), pieces, "stop")
+        assert "".join(d.get("reasoning_content", "") for d, _, _ in out) == (
+            "The user wants weather."
+        )
+        calls = [c for d, _, _ in out for c in d.get("tool_calls", [])]
+        assert [c["function"]["name"] for c in calls] == ["get_weather"]
+        assert not any(d.get("content") for d, _, _ in out) and out[-1][1] == "tool_calls"
+    # a call inside the thinking is thinking, not a call
+    message, finish = ReasoningSplit(AutoToolCalls(plan)).message(CALL + "</think>no", "stop")
+    assert message["reasoning_content"] == CALL and message["content"] == "no"
+    assert "tool_calls" not in message and finish == "stop"
+
+
+# ---- through the API ----------------------------------------------------------------------------
+
+REPLY = "Two and two.\n</think>\n\nIt is 4."
+
+
+class ScriptedReply:
+    def __init__(self, reply: str) -> None:
+        self.tokenizer = Tokenizer.tiny()
+        self.max_model_len = 4096
+        self.reply = reply
+        self.params: list = []
+
+    async def generate(self, prompt_token_ids, params, *, request_id, tenant, priority):
+        self.params.append(params)
+        for i in range(0, len(self.reply), 4):
+            last = i + 4 >= len(self.reply)
+            yield StreamItem([1], self.reply[i : i + 4], last, "stop" if last else None)
+
+    async def abort(self, request_id: str) -> bool:
+        return False
+
+
+@pytest.fixture(scope="module")
+def client():
+    loop = ServerLoop()
+    config = {"tenants": [{"name": "t", "api_key": KEY}], "reasoning_parser": "deepseek_r1"}
+    url = loop.serve(create_app(ScriptedReply(REPLY), config))
+    yield openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=30)
+    loop.close()
+
+
+def test_the_openai_client_gets_the_reasoning_apart(client):
+    msg = client.chat.completions.create(model=MODEL, messages=QUESTION).choices[0].message
+    assert (msg.reasoning_content, msg.content) == ("Two and two.\n", "\n\nIt is 4.")
+    chunks = list(client.chat.completions.create(model=MODEL, messages=QUESTION, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    thought = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
+    assert (thought, "".join(d.content or "" for d in deltas)) == ("Two and two.\n", "\n\nIt is 4.")
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_a_request_with_a_grammar_is_not_split(client):
+    pytest.importorskip("xgrammar")
+    out = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, response_format={"type": "json_object"}
+    )
+    msg = out.choices[0].message
+    assert msg.content == REPLY and getattr(msg, "reasoning_content", None) is None
+
+
+def test_the_config_takes_the_parser_and_refuses_others():
+    from fairbatch.deployments.api.config import ConfigError, parse_config
+
+    assert parse_config({"reasoning_parser": "deepseek_r1"}).reasoning_parser == "deepseek_r1"
+    with pytest.raises(ConfigError, match="reasoning_parser"):
+        parse_config({"reasoning_parser": "qwen3"})
