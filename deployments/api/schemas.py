@@ -258,6 +258,10 @@ class ChatMessage(_Body):
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None  # an assistant's calls, in a conversation's history
     tool_call_id: str | None = None  # the call whose result a tool message carries
+    # an assistant's thinking in a conversation's history (a reasoning_parser reply passed back
+    # as it is): accepted on assistant messages and not shown to the template, as reasoning
+    # models are prompted with their earlier answers only
+    reasoning_content: str | None = None
 
     def text(self, index: int) -> str:
         content, param = self.content, f"messages.{index}.content"
@@ -312,6 +316,10 @@ class ChatCompletionRequest(_SamplingFields):
                 param = f"messages.{i}.tool_calls"
                 calls = [c.for_template(f"{param}.{j}") for j, c in enumerate(m.tool_calls)]
                 msg["tool_calls"] = calls
+            if m.reasoning_content is not None and m.role != "assistant":
+                raise bad_request(
+                    "only assistant messages carry reasoning_content", f"messages.{i}"
+                )
             if m.tool_call_id is not None:
                 if m.role != "tool":
                     raise bad_request("only tool messages carry tool_call_id", f"messages.{i}")

@@ -114,9 +114,11 @@ class ScriptedReply:
         self.max_model_len = 4096
         self.reply = reply
         self.params: list = []
+        self.prompts: list[list[int]] = []
 
     async def generate(self, prompt_token_ids, params, *, request_id, tenant, priority):
         self.params.append(params)
+        self.prompts.append(list(prompt_token_ids))
         for i in range(0, len(self.reply), 4):
             last = i + 4 >= len(self.reply)
             yield StreamItem([1], self.reply[i : i + 4], last, "stop" if last else None)
@@ -126,10 +128,15 @@ class ScriptedReply:
 
 
 @pytest.fixture(scope="module")
-def client():
+def backend():
+    return ScriptedReply(REPLY)
+
+
+@pytest.fixture(scope="module")
+def client(backend):
     loop = ServerLoop()
     config = {"tenants": [{"name": "t", "api_key": KEY}], "reasoning_parser": "deepseek_r1"}
-    url = loop.serve(create_app(ScriptedReply(REPLY), config))
+    url = loop.serve(create_app(backend, config))
     yield openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=30)
     loop.close()
 
@@ -142,6 +149,18 @@ def test_the_openai_client_gets_the_reasoning_apart(client):
     thought = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
     assert (thought, "".join(d.content or "" for d in deltas)) == ("Two and two.\n", "\n\nIt is 4.")
     assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_the_reply_goes_back_in_the_conversation_without_its_thinking(client, backend):
+    first = client.chat.completions.create(model=MODEL, messages=QUESTION).choices[0].message
+    assert first.reasoning_content  # the message as the client got it, passed back as it is
+    again = [*QUESTION, first, {"role": "user", "content": "And 3 + 3?"}]
+    client.chat.completions.create(model=MODEL, messages=again)
+    prompt = backend.tokenizer.decode(backend.prompts[-1], skip_special_tokens=False)
+    assert "It is 4." in prompt and "Two and two" not in prompt
+    bad = [{"role": "user", "content": "x", "reasoning_content": "y"}]
+    with pytest.raises(openai.BadRequestError, match="reasoning_content"):
+        client.chat.completions.create(model=MODEL, messages=bad)
 
 
 def test_a_request_with_a_grammar_is_not_split(client):
