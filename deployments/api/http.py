@@ -171,10 +171,17 @@ def sse(data: dict | str) -> str:
 
 
 async def close_stream(it: Any) -> None:
+    """Close a backend stream (aborting its request unless it finished). A stream that another
+    task is inside right now (reading it, or closing it) is left to that task, which closes it
+    when it gets out: a response closes its stream from two places on purpose
+    (deployments/api/responses.py), and one of them finds it so at the end of most streams."""
     aclose = getattr(it, "aclose", None)
     if aclose is not None:
         with anyio.CancelScope(shield=True):
             try:
                 await aclose()
+            except RuntimeError as e:
+                if "already running" not in str(e):
+                    log.warning("closing a backend stream failed", exc_info=True)
             except Exception:  # closing must not mask the original outcome
                 log.warning("closing a backend stream failed", exc_info=True)
