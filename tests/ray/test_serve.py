@@ -62,6 +62,7 @@ def app_args() -> dict:
             "device": "cpu",
         },
         controller={"local_queue": 0},
+        tool_call_parser="hermes",  # tool_choice "auto" through `serve deploy`
         tenants=[
             *({"name": n, "api_key": KEYS[n], "weight": w} for n, w in WEIGHTS.items()),
             {"name": "q", "api_key": KEYS["q"], "tokens_per_minute": 30},
@@ -268,6 +269,20 @@ def test_chat_and_streaming_chat_agree(served):
     assert streamed == whole.choices[0].message.content
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
     assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens > 0
+
+
+def test_tool_choice_auto_through_the_deployed_config(served):
+    """The Serve config's tool_call_parser reaches the ingress: "auto" (the default with tools)
+    is served, and the tiny model, which writes no call, answers what it answers without tools
+    (the same greedy text)."""
+    c = client(served, "b")
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    kw = dict(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+    auto = c.chat.completions.create(tools=[weather], **kw).choices[0]
+    plain = c.chat.completions.create(tools=[weather], tool_choice="none", **kw).choices[0]
+    assert auto.message.content == plain.message.content and not auto.message.tool_calls
+    assert auto.finish_reason == plain.finish_reason
 
 
 def test_logprobs_through_the_cluster(served):
