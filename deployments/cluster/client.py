@@ -264,7 +264,8 @@ class ClusterClient:
         if self.batch_admissions:
             loop = asyncio.get_running_loop()
             if self._batcher is None or self._batcher.loop is not loop:
-                self._batcher = AdmissionBatcher(self._controller)
+                owner = self.owner()
+                self._batcher = AdmissionBatcher(self._controller, owner=owner and owner[1])
             return await self._batcher.admit(meta, self.admit_timeout_s)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.admit_timeout_s
@@ -337,8 +338,15 @@ class AdmissionBatcher:
     it re-subscribes under a new id and resubmits everything still pending: `submit_many` is
     idempotent per request id and re-sends the assignment of a request already placed."""
 
-    def __init__(self, controller: Callable[[], Any], max_batch: int = 512, linger_s=0.001):
+    def __init__(
+        self,
+        controller: Callable[[], Any],
+        max_batch: int = 512,
+        linger_s: float = 0.001,
+        owner: Any = None,
+    ) -> None:
         self.controller = controller
+        self.owner = owner  # this process's actor handle (None: a driver), for the controller
         self.max_batch = max_batch
         self.linger_s = linger_s
         self.loop = asyncio.get_running_loop()
@@ -397,7 +405,7 @@ class AdmissionBatcher:
             gen = (
                 self.controller()
                 .assignments.options(num_returns="streaming")
-                .remote(self.subscriber)
+                .remote(self.subscriber, self.owner)
             )
             self.subscribed.set()
             handles: dict[str, Any] = {}  # replica id -> handle, as this stream sent them

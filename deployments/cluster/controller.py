@@ -52,6 +52,8 @@ from fairbatch.deployments.cluster.wire import Assignment, ReplicaReport, Reques
 
 log = logging.getLogger(__name__)
 
+_END = object()  # put in a subscriber's outbox: its assignment stream ends
+
 
 class Controller:
     # A replica silent this long (reports carry a heartbeat every 0.5 s) is pinged, and dropped
@@ -70,6 +72,13 @@ class Controller:
         # batched admission: subscriber id -> its assignments not yet streamed out
         self._outboxes: dict[str, asyncio.Queue] = {}
         self._owner: dict[str, str] = {}  # request id -> subscriber waiting for it
+        # subscriber -> the actor handle of its process (an ingress), pinged while it has
+        # requests queued here; consumer id -> the same handle, sent with forwarded requests
+        # once per (replica, consumer) so the replica can watch a consumer it has not heard from
+        self._subscriber_owner: dict[str, Any] = {}
+        self._consumer_owner: dict[str, Any] = {}
+        self._owner_sent: set[tuple[str, str]] = set()
+        self._last_subscriber_check = 0.0
         self._last_report: dict[str, float] = {}  # replica id -> monotonic time of last report
         self._watchdog: asyncio.Task | None = None
         self._dead: set[str] = set()  # confirmed dead and fenced: their late reports are ignored
@@ -116,8 +125,11 @@ class Controller:
     async def submit_many(self, subscriber: str, metas: list[RequestMeta]) -> None:
         self._background()
         outbox = self._outbox(subscriber)
+        owner = self._subscriber_owner.get(subscriber)
         for meta in metas:
             rid = meta.request_id
+            if owner is not None and meta.consumer is not None:
+                self._consumer_owner.setdefault(meta.consumer, owner)
             where = self.core.where(rid)
             if where is not None and where in self.handles:
                 outbox.put_nowait(self._placed(rid, where))
@@ -127,19 +139,31 @@ class Controller:
                 self._apply(self.core.submit(meta))
 
     @ray.method(max_task_retries=0)  # a retried stream would skip items: re-subscribe instead
-    async def assignments(self, subscriber: str):
+    async def assignments(self, subscriber: str, owner: Any = None):
         """Stream `(handles, batch)` for requests this subscriber submitted: `batch` a list of
         Assignments, `handles` {replica id: actor handle} for the replicas this stream has not
         sent before. Each handle goes once per stream, not once per request (deserializing one
         per request cost the ingress ~4% of its CPU): an Assignment here carries `replica` None
         when its handle went in this or an earlier message. (A replica id never names another
-        actor: a replacement gets an id of its own, `replica_set.SEP`.)"""
+        actor: a replacement gets an id of its own, `replica_set.SEP`.) `owner`: the actor
+        handle of the subscriber's process (None for a driver); once it is dead, its queued
+        requests are cancelled and this stream ends (`_check_subscribers`)."""
+        self._background()
+        if owner is not None:
+            self._subscriber_owner[subscriber] = owner
         outbox = self._outbox(subscriber)
         sent: set[str] = set()  # the replica ids whose handle this stream sent
         while True:
-            batch = [await outbox.get()]
+            first = await outbox.get()
+            if first is _END:
+                return
+            batch = [first]
             while not outbox.empty():
-                batch.append(outbox.get_nowait())
+                item = outbox.get_nowait()
+                if item is _END:
+                    outbox.put_nowait(_END)  # (after this batch)
+                    break
+                batch.append(item)
             handles: dict[str, Any] = {}
             for i, a in enumerate(batch):
                 if a.replica is None:  # expired, or no handle known: as it is
@@ -177,6 +201,43 @@ class Controller:
         self.core.cancel(request_id)
         self._apply(self.core.dispatch())
 
+    # ---- subscribers that die ----------------------------------------------------------------
+
+    subscriber_check_s = 2.0  # how often the subscribers' processes are pinged
+
+    def _check_subscribers_due(self) -> None:
+        now = time.monotonic()
+        if self._subscriber_owner and now - self._last_subscriber_check >= self.subscriber_check_s:
+            self._last_subscriber_check = now
+            self._spawn(self._check_subscribers())
+
+    async def _check_subscribers(self) -> None:
+        """A subscriber whose process died can never take its assignments: its requests still
+        queued here are cancelled (they would otherwise be placed, and run unread to their last
+        token), its stream ends, and what is kept for it goes."""
+        from fairbatch.deployments.cluster.replica import actor_is_dead
+
+        subs = list(self._subscriber_owner.items())
+        verdicts = await asyncio.gather(*(actor_is_dead(h, 10.0) for _, h in subs))
+        for (sub, owner), dead in zip(subs, verdicts):
+            if dead and self._subscriber_owner.get(sub) is owner:
+                await self._drop_subscriber(sub, owner)
+
+    async def _drop_subscriber(self, subscriber: str, owner: Any) -> None:
+        queued = [rid for rid, sub in self._owner.items() if sub == subscriber]
+        if queued:
+            log.info("subscriber %s died: cancelling its %d queued request(s)", subscriber,
+                     len(queued))  # fmt: skip
+        for rid in queued:
+            await self.cancel(rid)
+        del self._subscriber_owner[subscriber]
+        for consumer in [c for c, h in self._consumer_owner.items() if h is owner]:
+            del self._consumer_owner[consumer]
+            self._owner_sent = {k for k in self._owner_sent if k[1] != consumer}
+        outbox = self._outboxes.pop(subscriber, None)
+        if outbox is not None:
+            outbox.put_nowait(_END)  # its stream ends (were its caller still reading)
+
     def _background(self) -> None:
         """Start the watchdog (lazily: an async actor has no running loop in __init__)."""
         if self._watchdog is None:
@@ -189,6 +250,7 @@ class Controller:
         while True:
             await asyncio.sleep(self.silent_after_s / 5)
             self._apply(self.core.expire())  # queue deadlines pass between events too
+            self._check_subscribers_due()
             now = time.monotonic()
             for rid, seen in list(self._last_report.items()):
                 if now - seen > self.silent_after_s and rid in self.handles:
@@ -233,6 +295,7 @@ class Controller:
         self.handles.pop(replica_id, None)
         self._last_report.pop(replica_id, None)
         self._pushed.pop(replica_id, None)
+        self._owner_sent = {k for k in self._owner_sent if k[0] != replica_id}
         self.core.remove_replica(replica_id)
         self._apply(self.core.dispatch())
 
@@ -423,14 +486,14 @@ class Controller:
             self._outbox(subscriber).put_nowait(assignment)
 
     def _apply(self, actions: list) -> None:
-        forwards: dict[tuple[Any, str], list[RequestMeta]] = {}
+        forwards: dict[tuple[str, str], list[RequestMeta]] = {}
         for action in actions:
             if isinstance(action, Assign):
                 rid, meta = action.ticket.request_id, action.ticket.meta
                 handle = self.handles.get(action.replica_id)
                 forward = handle is not None and meta is not None and meta.consumer is not None
                 if forward:
-                    forwards.setdefault((handle, meta.consumer), []).append(meta)
+                    forwards.setdefault((action.replica_id, meta.consumer), []).append(meta)
                 self._answer(rid, Assignment(rid, action.replica_id, handle, submitted=forward))
             elif isinstance(action, Expire):  # dropped from the queue: the caller ends it
                 rid = action.ticket.request_id
@@ -441,10 +504,18 @@ class Controller:
                     handle.preempt.remote(action.request_id, action.mode)
             elif isinstance(action, Migrate):
                 self._spawn(self._migrate(action))
-        for (handle, consumer), metas in forwards.items():
+        for (replica_id, consumer), metas in forwards.items():
             # Sent now, awaited in a task: the request reaches its replica one hop sooner than
-            # through its client (which hears the assignment meanwhile and only reads items)
-            self._spawn(self._forwarded(handle.submit.remote(consumer, metas, None, True), metas))
+            # through its client (which hears the assignment meanwhile and only reads items).
+            # The consumer's handle goes along the first time, so the replica watches it even
+            # if it dies before opening its channel there.
+            owner = None
+            if (replica_id, consumer) not in self._owner_sent:
+                owner = self._consumer_owner.get(consumer)
+                if owner is not None:
+                    self._owner_sent.add((replica_id, consumer))
+            ref = self.handles[replica_id].submit.remote(consumer, metas, owner, True)
+            self._spawn(self._forwarded(ref, metas))
 
     async def _forwarded(self, ref: Any, metas: list[RequestMeta]) -> None:
         """The replica's answer to a forwarded submission. A request it refused ended there
@@ -488,6 +559,8 @@ class Controller:
         s = self.core.stats()
         s["replicas"] = sorted(self.handles)
         s["incarnation"] = self.incarnation
+        s["subscribers"] = len(self._outboxes)  # assignment streams kept for clients
+        s["watched_subscribers"] = len(self._subscriber_owner)
         if self.supervisor is not None:
             s["replica_set"] = self.supervisor.stats()
         if self.autoscaler is not None:

@@ -257,3 +257,79 @@ def test_the_engine_thread_of_a_cpu_model_runs_below_the_replica_process():
     assert run(below(engine="tiny", device="cpu", engine_thread_niceness=3)) == 3
     with pytest.raises(ValueError, match="engine_thread_niceness must be 0..19"):
         ReplicaConfig(engine_thread_niceness=20)
+
+
+# ---- the controller's side: a subscriber's process that dies ------------------------------------
+
+
+class _Recorder:
+    """A replica actor handle for an in-process controller: records `submit` calls."""
+
+    def __init__(self, calls: list) -> None:
+        async def submit(consumer, metas, owner, forwarded):
+            calls.append((self, consumer, [m.request_id for m in metas], owner, forwarded))
+            return [None] * len(metas)
+
+        self.submit = _Method(submit)
+
+
+def report(replica_id: str, handle, seats: int):
+    from fairbatch.deployments.cluster.wire import ReplicaReport
+
+    return ReplicaReport(replica_id, 1, seats, 64, 64, 16, 0, 0, 0, 0, {}, [], {}, handle=handle)
+
+
+def test_forwards_carry_the_consumers_handle_and_a_dead_subscribers_queue_is_cancelled(
+    monkeypatch,
+):
+    """The controller forwards a subscriber's requests with its process's actor handle, once
+    per (replica, consumer), so a replica watches a consumer that has not opened a channel
+    there; once that process is dead, its requests still queued are cancelled, its assignment
+    stream ends and nothing is kept for it."""
+    from fairbatch.deployments.cluster import replica as replica_module
+    from fairbatch.deployments.cluster.controller import Controller
+    from fairbatch.deployments.cluster.fairness import ControllerConfig
+
+    async def dead(handle, timeout_s):
+        return handle == "owner-of-s1"
+
+    monkeypatch.setattr(replica_module, "actor_is_dead", dead)
+
+    def forwarded(i: int, consumer: str) -> RequestMeta:
+        m = meta(i, 100)
+        m.consumer = consumer
+        return m
+
+    async def main():
+        ctl = Controller(ControllerConfig(local_queue=0))
+        calls: list = []
+        handles = {rid: _Recorder(calls) for rid in ("ra", "rb")}
+        for rid, handle in handles.items():
+            await ctl.report(report(rid, handle, seats=2))
+        stream = ctl.assignments("s1", "owner-of-s1")
+        first = asyncio.ensure_future(stream.__anext__())
+        await asyncio.sleep(0)  # the stream has registered its owner
+        await ctl.submit_many("s1", [forwarded(i, "c1") for i in range(6)])  # 4 seats
+        await asyncio.sleep(0.05)  # the forwards' tasks ran
+        placed = (await asyncio.wait_for(first, 5))[1]
+        queued = ctl.core.stats()["queued_by_tenant"]
+        await ctl._check_subscribers()  # s1's process is dead now
+        try:
+            await asyncio.wait_for(stream.__anext__(), 5)
+            ended = False
+        except StopAsyncIteration:
+            ended = True
+        after = ctl.core.stats()["queued_by_tenant"]
+        left = (ctl._subscriber_owner, ctl._consumer_owner, ctl._outboxes, ctl._owner)
+        return calls, placed, queued, ended, after, left
+
+    calls, placed, queued, ended, after, left = run(main())
+    # every placed request was forwarded; the owner went with the first forward to each replica
+    assert sorted(r for c in calls for r in c[2]) == sorted(a.request_id for a in placed)
+    assert len(placed) == 4 and all(c[1] == "c1" and c[4] for c in calls)
+    owners: dict[int, list] = {}
+    for handle, _, _, owner, _ in calls:
+        owners.setdefault(id(handle), []).append(owner)
+    assert sorted(owners.values()) == [["owner-of-s1", None], ["owner-of-s1", None]]
+    assert queued == {"default": 2} and after == {}  # the two queued ones were cancelled
+    assert ended and left == ({}, {}, {}, {})
