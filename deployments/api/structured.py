@@ -183,30 +183,25 @@ async def chat_plan(
     tool_call_parser and reasoning_parser); a forced call wins over a response_format, and a
     grammar turns the reasoning split off. Runs off the event loop: the first use imports
     xgrammar."""
-    got = await _chat_plan(body, parser)
-    if reasoning_parser is not None and got.grammar is None:
-        return dataclasses.replace(got, reasoning=True)
-    return got
-
-
-async def _chat_plan(body: Any, parser: str | None) -> ChatPlan:
 
     def plan() -> ChatPlan:
         used = tool_plan(body.tools, body.tool_choice, parser, body.parallel_tool_calls)
-        if isinstance(used, tuple) and isinstance(used[1], AutoToolPlan):
-            if response_format_grammar(body.response_format) is not None:
-                raise bad_request(
-                    "response_format cannot be combined with tool_choice 'auto' (the format "
-                    "would keep the model from writing a call)",
-                    "response_format",
-                )
-        if used is not None:
-            return ChatPlan(*used)
-        return ChatPlan(response_format_grammar(body.response_format))
+        if used is None:
+            return ChatPlan(response_format_grammar(body.response_format))
+        if isinstance(used[1], AutoToolPlan) and response_format_grammar(body.response_format):
+            raise bad_request(
+                "response_format cannot be combined with tool_choice 'auto' (the format would "
+                "keep the model from writing a call)",
+                "response_format",
+            )
+        return ChatPlan(*used)
 
-    if body.response_format is None and body.tools is None and body.tool_choice is None:
-        return ChatPlan()
-    return await asyncio.to_thread(plan)
+    got = ChatPlan()
+    if not (body.response_format is None and body.tools is None and body.tool_choice is None):
+        got = await asyncio.to_thread(plan)
+    if reasoning_parser is not None and got.grammar is None:
+        got = dataclasses.replace(got, reasoning=True)
+    return got
 
 
 async def completion_grammar(body: Any) -> GrammarSpec | None:
