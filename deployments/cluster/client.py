@@ -401,11 +401,12 @@ class AdmissionBatcher:
 
     async def _read_loop(self) -> None:
         delay = 0.05
+        previous = None  # the id of the stream that broke (the controller lets it go)
         while True:
             gen = (
                 self.controller()
                 .assignments.options(num_returns="streaming")
-                .remote(self.subscriber, self.owner)
+                .remote(self.subscriber, self.owner, previous)
             )
             self.subscribed.set()
             handles: dict[str, Any] = {}  # replica id -> handle, as this stream sent them
@@ -427,6 +428,7 @@ class AdmissionBatcher:
             # A new subscriber id, so a stale stream can never take our items; then resubmit
             # what is still waiting (already placed ones get their assignment re-sent).
             self.subscribed.clear()
+            previous = self.subscriber
             self.generation += 1
             await asyncio.sleep(delay)
             delay = min(1.0, delay * 2)

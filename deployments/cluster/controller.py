@@ -139,7 +139,7 @@ class Controller:
                 self._apply(self.core.submit(meta))
 
     @ray.method(max_task_retries=0)  # a retried stream would skip items: re-subscribe instead
-    async def assignments(self, subscriber: str, owner: Any = None):
+    async def assignments(self, subscriber: str, owner: Any = None, replaces: str | None = None):
         """Stream `(handles, batch)` for requests this subscriber submitted: `batch` a list of
         Assignments, `handles` {replica id: actor handle} for the replicas this stream has not
         sent before. Each handle goes once per stream, not once per request (deserializing one
@@ -147,10 +147,14 @@ class Controller:
         when its handle went in this or an earlier message. (A replica id never names another
         actor: a replacement gets an id of its own, `replica_set.SEP`.) `owner`: the actor
         handle of the subscriber's process (None for a driver); once it is dead, its queued
-        requests are cancelled and this stream ends (`_check_subscribers`)."""
+        requests are cancelled and this stream ends (`_check_subscribers`). `replaces`: the
+        id this client subscribed under before (its stream broke): that stream ends, and the
+        assignments still due to it come on this one."""
         self._background()
         if owner is not None:
             self._subscriber_owner[subscriber] = owner
+        if replaces is not None and replaces != subscriber:
+            self._forget_subscriber(replaces, successor=subscriber)
         outbox = self._outbox(subscriber)
         sent: set[str] = set()  # the replica ids whose handle this stream sent
         while True:
@@ -230,10 +234,19 @@ class Controller:
                      len(queued))  # fmt: skip
         for rid in queued:
             await self.cancel(rid)
-        del self._subscriber_owner[subscriber]
+        self._forget_subscriber(subscriber)
         for consumer in [c for c, h in self._consumer_owner.items() if h is owner]:
             del self._consumer_owner[consumer]
             self._owner_sent = {k for k in self._owner_sent if k[1] != consumer}
+
+    def _forget_subscriber(self, subscriber: str, successor: str | None = None) -> None:
+        """End its stream and keep nothing for it; what it still waits for goes to
+        `successor` (the same client under a new id), if any."""
+        self._subscriber_owner.pop(subscriber, None)
+        if successor is not None:
+            for rid, sub in self._owner.items():
+                if sub == subscriber:
+                    self._owner[rid] = successor
         outbox = self._outboxes.pop(subscriber, None)
         if outbox is not None:
             outbox.put_nowait(_END)  # its stream ends (were its caller still reading)

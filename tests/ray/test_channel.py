@@ -333,3 +333,42 @@ def test_forwards_carry_the_consumers_handle_and_a_dead_subscribers_queue_is_can
     assert sorted(owners.values()) == [["owner-of-s1", None], ["owner-of-s1", None]]
     assert queued == {"default": 2} and after == {}  # the two queued ones were cancelled
     assert ended and left == ({}, {}, {}, {})
+
+
+def test_a_client_that_subscribes_again_ends_its_old_stream_and_gets_what_was_due_there():
+    """A client whose assignment stream broke subscribes under a new id naming the old one:
+    the old stream ends and is forgotten, and an assignment still due to the old id (a request
+    queued under it) comes on the new stream."""
+    from fairbatch.deployments.cluster.controller import Controller
+    from fairbatch.deployments.cluster.fairness import ControllerConfig
+    from fairbatch.deployments.cluster.wire import ReplicaReport
+
+    async def main():
+        ctl = Controller(ControllerConfig(local_queue=0))
+        handle = _Recorder([])
+        await ctl.report(report("ra", handle, seats=1))
+        old = ctl.assignments("c.0", "owner")
+        first = asyncio.ensure_future(old.__anext__())
+        await asyncio.sleep(0)
+        await ctl.submit_many("c.0", [meta(0, 10), meta(1, 10)])  # one seat: r1 waits
+        (_, placed) = await asyncio.wait_for(first, 5)
+        new = ctl.assignments("c.1", "owner", replaces="c.0")
+        later = asyncio.ensure_future(new.__anext__())
+        await asyncio.sleep(0)
+        try:
+            await asyncio.wait_for(old.__anext__(), 5)
+            ended = False
+        except StopAsyncIteration:
+            ended = True
+        # r0 leaves the replica: r1 takes the seat, and hears it on the new stream
+        done = ReplicaReport(
+            "ra", 2, 1, 64, 64, 16, 0, 0, 0, 1, {}, [("r0", 10)], {}, handle=handle
+        )
+        await ctl.report(done)
+        (_, then) = await asyncio.wait_for(later, 5)
+        return placed, ended, then, set(ctl._outboxes), dict(ctl._subscriber_owner)
+
+    placed, ended, then, outboxes, owners = run(main())
+    assert [a.request_id for a in placed] == ["r0"] and ended
+    assert [(a.request_id, a.replica_id) for a in then] == [("r1", "ra")]
+    assert outboxes == {"c.1"} and owners == {"c.1": "owner"}
