@@ -106,11 +106,21 @@ def worker_priority_env() -> None:
     os.environ.setdefault("RAY_worker_niceness", "0")
 
 
+def grpc_handles_env() -> None:
+    """Serve handles call over gRPC instead of through Ray's object store
+    (`RAY_SERVE_USE_GRPC_BY_DEFAULT`, Ray 2.60): for the handle API's callers in this Ray (other
+    Serve apps, this process). With the serving-path benchmark's handle workload on 2 cores the
+    caller spent half the CPU per token and the ingress 10-25% less (docs/BENCHMARKS.md). Read
+    when `ray.serve` is imported: call before that. A set variable wins."""
+    os.environ.setdefault("RAY_SERVE_USE_GRPC_BY_DEFAULT", "1")
+
+
 def serve_env(port: int, proxy: bool = False) -> None:
     """The environment `fairbatch serve` starts its Ray in (the tests and the serving-path
-    benchmark start theirs the same way): the app at its starter's niceness, and direct ingress
-    on `port` unless `proxy`. Call before `ray.init`."""
+    benchmark start theirs the same way): the app at its starter's niceness, handles over
+    gRPC, and direct ingress on `port` unless `proxy`. Call before `ray.init`."""
     worker_priority_env()
+    grpc_handles_env()
     if not proxy:
         direct_ingress_env(port)
 
