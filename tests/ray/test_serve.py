@@ -76,6 +76,9 @@ def app_args() -> dict:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     http_port, dash_port, metrics_port = free_port(), free_port(), free_port()
+    # as cluster.yaml starts Ray: the proxy reaches the ingress over gRPC
+    saved = os.environ.get("RAY_SERVE_USE_GRPC_BY_DEFAULT")
+    os.environ["RAY_SERVE_USE_GRPC_BY_DEFAULT"] = "1"
     ray.init(
         num_cpus=2,
         num_gpus=2,
@@ -119,6 +122,10 @@ def served(tmp_path_factory):
             serve.shutdown()
         finally:
             ray.shutdown()
+            if saved is None:
+                os.environ.pop("RAY_SERVE_USE_GRPC_BY_DEFAULT", None)
+            else:
+                os.environ["RAY_SERVE_USE_GRPC_BY_DEFAULT"] = saved
 
 
 def client(served, tenant: str | None = "a", **kw) -> openai.OpenAI:
