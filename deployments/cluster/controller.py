@@ -72,13 +72,14 @@ class Controller:
         # batched admission: subscriber id -> its assignments not yet streamed out
         self._outboxes: dict[str, asyncio.Queue] = {}
         self._owner: dict[str, str] = {}  # request id -> subscriber waiting for it
-        # subscriber -> the actor handle of its process (an ingress), pinged while it has
-        # requests queued here; consumer id -> the same handle, sent with forwarded requests
+        # subscriber -> the actor handle of its process (an ingress), pinged every
+        # `subscriber_check_s`; consumer id -> the same handle, sent with forwarded requests
         # once per (replica, consumer) so the replica can watch a consumer it has not heard from
         self._subscriber_owner: dict[str, Any] = {}
         self._consumer_owner: dict[str, Any] = {}
         self._owner_sent: set[tuple[str, str]] = set()
         self._last_subscriber_check = 0.0
+        self._checking_subscribers = False
         self._last_report: dict[str, float] = {}  # replica id -> monotonic time of last report
         self._watchdog: asyncio.Task | None = None
         self._dead: set[str] = set()  # confirmed dead and fenced: their late reports are ignored
@@ -211,8 +212,11 @@ class Controller:
 
     def _check_subscribers_due(self) -> None:
         now = time.monotonic()
-        if self._subscriber_owner and now - self._last_subscriber_check >= self.subscriber_check_s:
+        if not self._subscriber_owner or self._checking_subscribers:
+            return  # (a ping can take 10 s: one round at a time)
+        if now - self._last_subscriber_check >= self.subscriber_check_s:
             self._last_subscriber_check = now
+            self._checking_subscribers = True
             self._spawn(self._check_subscribers())
 
     async def _check_subscribers(self) -> None:
@@ -221,11 +225,14 @@ class Controller:
         token), its stream ends, and what is kept for it goes."""
         from fairbatch.deployments.cluster.replica import actor_is_dead
 
-        subs = list(self._subscriber_owner.items())
-        verdicts = await asyncio.gather(*(actor_is_dead(h, 10.0) for _, h in subs))
-        for (sub, owner), dead in zip(subs, verdicts):
-            if dead and self._subscriber_owner.get(sub) is owner:
-                await self._drop_subscriber(sub, owner)
+        try:
+            subs = list(self._subscriber_owner.items())
+            verdicts = await asyncio.gather(*(actor_is_dead(h, 10.0) for _, h in subs))
+            for (sub, owner), dead in zip(subs, verdicts):
+                if dead and self._subscriber_owner.get(sub) is owner:
+                    await self._drop_subscriber(sub, owner)
+        finally:
+            self._checking_subscribers = False
 
     async def _drop_subscriber(self, subscriber: str, owner: Any) -> None:
         queued = [rid for rid, sub in self._owner.items() if sub == subscriber]
@@ -235,7 +242,7 @@ class Controller:
         for rid in queued:
             await self.cancel(rid)
         self._forget_subscriber(subscriber)
-        for consumer in [c for c, h in self._consumer_owner.items() if h is owner]:
+        for consumer in [c for c, h in self._consumer_owner.items() if h == owner]:
             del self._consumer_owner[consumer]
             self._owner_sent = {k for k in self._owner_sent if k[1] != consumer}
 
