@@ -175,8 +175,8 @@ class EngineCore:
             skip_special_tokens=params.skip_special_tokens,
             stop=params.stop or (),
             include_stop_str_in_output=params.include_stop_str_in_output,
+            stop_token_ids=request.stop_token_ids,  # (EOS among them unless ignore_eos)
         )
-        detok.stop_token_ids = request.stop_token_ids  # (EOS among them unless ignore_eos)
         for token in request.output_token_ids:  # a migrated request: text already delivered
             detok.add_token(token)
         self.detoks[request.request_id] = detok

@@ -44,13 +44,14 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         stop: Sequence[str] = (),
         include_stop_str_in_output: bool = False,
+        stop_token_ids: frozenset[int] = frozenset(),
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.stop = [s for s in stop if s]
         self.include_stop_str_in_output = include_stop_str_in_output
         # the tokens that end the request: the engine leaves the last one out of the text
-        self.stop_token_ids: frozenset[int] = frozenset()
+        self.stop_token_ids = frozenset(stop_token_ids)
         self.stopped = False  # a stop string matched; further tokens are ignored
         self.stop_reason: str | None = None  # the stop string that matched
         self.num_output_tokens = 0

@@ -36,7 +36,6 @@ class ReasoningSplit:
         self.opened = False  # past where a leading <think> would be
         self.buf = ""  # held text
         self.reasoning: list[str] = []  # the reasoning that went out
-        self.content: list[str] = []  # the plain content that went out (no inner)
         self.records: list[Any] = []  # log-prob records of held text
 
     def _think(self, final: bool) -> tuple[str, str]:
@@ -79,7 +78,6 @@ class ReasoningSplit:
         held, self.records = self.records, []
         if self.inner is None:
             if after:
-                self.content.append(after)
                 delta["content"] = after
             return delta, finish_reason(reason), held
         inner, finish, given = self.inner.delta(after, reason, held)

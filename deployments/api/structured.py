@@ -30,13 +30,18 @@ import asyncio
 import dataclasses
 import json
 import re
-import secrets
 from dataclasses import dataclass
 from typing import Any
 
 from fairbatch.deployments.api.reasoning import ReasoningSplit
 from fairbatch.deployments.api.schemas import bad_request
-from fairbatch.deployments.api.tool_parsers import FORMATS, PARSERS, AutoToolCalls, AutoToolPlan
+from fairbatch.deployments.api.tool_parsers import (
+    FORMATS,
+    PARSERS,
+    AutoToolCalls,
+    AutoToolPlan,
+    call_id,
+)
 from fairbatch.engine.structured import GrammarSpec, schema_error
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's function and schema names
@@ -232,7 +237,7 @@ class ToolCallStream:
 
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
-        self.id = f"call_{secrets.token_hex(12)}"
+        self.id = call_id()
         self.name = plan.named  # known from the start for a named function
         self.head = 0 if plan.named else None  # where the arguments start in the output
         self.text = ""  # the output so far

@@ -105,14 +105,15 @@ def split_at(buf: str, tag: str, final: bool) -> tuple[str, str | None]:
     return buf[: len(buf) - keep], None
 
 
-def _call_id() -> str:
+def call_id() -> str:
+    """An OpenAI-style tool call id."""
     return f"call_{secrets.token_hex(12)}"
 
 
 class HermesFormat:
     START, END = "<tool_call>", "</tool_call>"
     keeps_special_tokens = False
-    call_id = staticmethod(_call_id)
+    call_id = staticmethod(call_id)
 
     def __init__(self) -> None:
         self.buf = ""
@@ -151,7 +152,7 @@ class HermesFormat:
 class Llama3JsonFormat:
     TAG = "<|python_tag|>"
     keeps_special_tokens = False
-    call_id = staticmethod(_call_id)
+    call_id = staticmethod(call_id)
 
     def __init__(self) -> None:
         self.buf = ""

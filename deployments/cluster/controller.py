@@ -242,9 +242,10 @@ class Controller:
         for rid in queued:
             await self.cancel(rid)
         self._forget_subscriber(subscriber)
-        for consumer in [c for c, h in self._consumer_owner.items() if h == owner]:
+        gone = {c for c, h in self._consumer_owner.items() if h == owner}
+        for consumer in gone:
             del self._consumer_owner[consumer]
-            self._owner_sent = {k for k in self._owner_sent if k[1] != consumer}
+        self._owner_sent = {k for k in self._owner_sent if k[1] not in gone}
 
     def _forget_subscriber(self, subscriber: str, successor: str | None = None) -> None:
         """End its stream and keep nothing for it; what it still waits for goes to

@@ -18,12 +18,11 @@ import random
 import httpx
 import openai
 import pytest
-from chat_fixtures import WEATHER
+from chat_fixtures import WEATHER, ScriptedReply
 from loopback import ServerLoop
 
 from fairbatch.deployments.api.backend import LocalBackend, create_app
 from fairbatch.deployments.api.tool_parsers import PARSERS, AutoToolCalls, AutoToolPlan
-from fairbatch.deployments.cluster.wire import StreamItem
 from fairbatch.engine.tokenizer import Tokenizer
 
 MODEL = "fairbatch-tiny"
@@ -164,26 +163,6 @@ def test_the_config_takes_exactly_the_parsers_that_exist():
 
 
 # ---- the API over a scripted backend that writes a Hermes (or Mistral) reply ---------------------
-
-
-class ScriptedReply:
-    """Writes `reply` in deltas of `piece` characters, whatever the prompt."""
-
-    def __init__(self, reply: str, piece: int = 3) -> None:
-        self.tokenizer = Tokenizer.tiny()
-        self.max_model_len = 4096
-        self.reply, self.piece = reply, piece
-        self.params: list = []
-
-    async def generate(self, prompt_token_ids, params, *, request_id, tenant, priority):
-        self.params.append(params)
-        text = self.reply
-        for i in range(0, len(text), self.piece):
-            last = i + self.piece >= len(text)
-            yield StreamItem([1], text[i : i + self.piece], last, "stop" if last else None)
-
-    async def abort(self, request_id: str) -> bool:
-        return False
 
 
 @pytest.fixture(scope="module")

@@ -10,13 +10,12 @@ import random
 
 import openai
 import pytest
+from chat_fixtures import ScriptedReply
 from loopback import ServerLoop
 
 from fairbatch.deployments.api.backend import create_app
 from fairbatch.deployments.api.reasoning import ReasoningSplit
 from fairbatch.deployments.api.tool_parsers import AutoToolCalls, AutoToolPlan
-from fairbatch.deployments.cluster.wire import StreamItem
-from fairbatch.engine.tokenizer import Tokenizer
 
 MODEL = "fairbatch-tiny"
 KEY = "key-think"
@@ -108,28 +107,9 @@ def test_calls_after_the_thinking_are_tool_calls():
 REPLY = "Two and two.\n</think>\n\nIt is 4."
 
 
-class ScriptedReply:
-    def __init__(self, reply: str) -> None:
-        self.tokenizer = Tokenizer.tiny()
-        self.max_model_len = 4096
-        self.reply = reply
-        self.params: list = []
-        self.prompts: list[list[int]] = []
-
-    async def generate(self, prompt_token_ids, params, *, request_id, tenant, priority):
-        self.params.append(params)
-        self.prompts.append(list(prompt_token_ids))
-        for i in range(0, len(self.reply), 4):
-            last = i + 4 >= len(self.reply)
-            yield StreamItem([1], self.reply[i : i + 4], last, "stop" if last else None)
-
-    async def abort(self, request_id: str) -> bool:
-        return False
-
-
 @pytest.fixture(scope="module")
 def backend():
-    return ScriptedReply(REPLY)
+    return ScriptedReply(REPLY, piece=4)
 
 
 @pytest.fixture(scope="module")
