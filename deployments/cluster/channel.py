@@ -37,12 +37,20 @@ log = logging.getLogger(__name__)
 CHANNEL_BACKPRESSURE = 8
 
 
+@dataclass(frozen=True)
+class DriverOwner:
+    """The owner of a consumer that runs in a Ray driver, which has no actor to ping: its
+    job. The GCS marks a driver's job dead as soon as the driver's process is gone."""
+
+    job_id: str  # hex
+
+
 @dataclass
 class Outbox:
     """One consumer's unread items on a replica (`StreamItem`s and `Moved` markers)."""
 
     consumer: str
-    owner: Any = None  # the consumer's actor handle, pinged for liveness (None: a driver)
+    owner: Any = None  # the consumer's actor handle or DriverOwner, checked for liveness
     limit: int = 65536  # unread items past which the consumer counts as stalled
     items: list = field(default_factory=list)
     requests: set[str] = field(default_factory=set)
@@ -89,7 +97,7 @@ class ReplicaLink:
         self.replica_id = replica_id
         self.handle = handle
         self.consumer = consumer
-        self.owner = owner  # this process's actor handle, or None
+        self.owner = owner  # this process's actor handle or DriverOwner (None: not known)
         self.queues: dict[str, asyncio.Queue] = {}
         self.expected = expected  # ids of requests admitted for this process, not yet opened
         self.early: dict[str, list] = {}  # their items so far

@@ -15,8 +15,9 @@ It follows the request wherever it goes:
     resubmission does not ask for prompt logprobs again once the caller has them);
   * the controller is restarting: Ray retries `admit` (idempotent per request id) and the
     client retries on errors until `admit_timeout_s`.
-Inside an actor (the ingress), every channel names that actor as its owner, so a replica can
-abort the requests of a client process that died (Ray does not stop its channel).
+Every channel names its process as its owner (the actor it runs in, or a driver's job), so the
+controller can cancel what a client process that died still had queued and a replica can abort
+what it had running (Ray does not stop either stream when its reader dies).
 Every stream ends with a finished item: tokens, or finish_reason "error". Nothing waits forever.
 """
 
@@ -33,7 +34,7 @@ from typing import Any
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
 
-from fairbatch.deployments.cluster.channel import LinkLost, ReplicaLink, RequestRefused
+from fairbatch.deployments.cluster.channel import DriverOwner, LinkLost, ReplicaLink, RequestRefused
 from fairbatch.deployments.cluster.wire import (
     FIRST_ONLY,
     Assignment,
@@ -77,7 +78,7 @@ class ClusterClient:
         self._links_loop: asyncio.AbstractEventLoop | None = None
         self._consumer_base = uuid.uuid4().hex
         self._consumer_gen = 0
-        self._owner: tuple[str, Any] | None = None  # this process's actor, see owner()
+        self._owner: tuple[str, Any] | None = None  # this process's actor or job, see owner()
         self._owner_known = False
 
     def _controller(self) -> Any:
@@ -86,11 +87,16 @@ class ClusterClient:
         return self.controller
 
     def owner(self) -> tuple[str, Any] | None:
-        """(actor id, handle) of the actor this client runs in, or None in a driver."""
+        """(actor id, handle) of the actor this client runs in; ("job:<id>", DriverOwner) in
+        a driver; None in a task (its worker outlives nothing it could be checked by)."""
         if not self._owner_known:
             ctx = ray.get_runtime_context()
             actor_id = ctx.get_actor_id()
-            self._owner = None if actor_id is None else (actor_id, ctx.current_actor)
+            if actor_id is not None:
+                self._owner = (actor_id, ctx.current_actor)
+            elif ctx.worker.mode == ray.SCRIPT_MODE:
+                job_id = ctx.get_job_id()
+                self._owner = (f"job:{job_id}", DriverOwner(job_id))
             self._owner_known = True
         return self._owner
 
@@ -346,7 +352,7 @@ class AdmissionBatcher:
         owner: Any = None,
     ) -> None:
         self.controller = controller
-        self.owner = owner  # this process's actor handle (None: a driver), for the controller
+        self.owner = owner  # this process's actor handle or DriverOwner, for the controller
         self.max_batch = max_batch
         self.linger_s = linger_s
         self.loop = asyncio.get_running_loop()

@@ -72,8 +72,8 @@ class Controller:
         # batched admission: subscriber id -> its assignments not yet streamed out
         self._outboxes: dict[str, asyncio.Queue] = {}
         self._owner: dict[str, str] = {}  # request id -> subscriber waiting for it
-        # subscriber -> the actor handle of its process (an ingress), pinged every
-        # `subscriber_check_s`; consumer id -> the same handle, sent with forwarded requests
+        # subscriber -> its process (an actor's handle, or a driver's DriverOwner), checked every
+        # `subscriber_check_s`; consumer id -> the same owner, sent with forwarded requests
         # once per (replica, consumer) so the replica can watch a consumer it has not heard from
         self._subscriber_owner: dict[str, Any] = {}
         self._consumer_owner: dict[str, Any] = {}
@@ -146,8 +146,9 @@ class Controller:
         sent before. Each handle goes once per stream, not once per request (deserializing one
         per request cost the ingress ~4% of its CPU): an Assignment here carries `replica` None
         when its handle went in this or an earlier message. (A replica id never names another
-        actor: a replacement gets an id of its own, `replica_set.SEP`.) `owner`: the actor
-        handle of the subscriber's process (None for a driver); once it is dead, its queued
+        actor: a replacement gets an id of its own, `replica_set.SEP`.) `owner`: the
+        subscriber's process, its actor handle or a driver's `DriverOwner` (None: not known);
+        once it is dead, its queued
         requests are cancelled and this stream ends (`_check_subscribers`). `replaces`: the
         id this client subscribed under before (its stream broke): that stream ends, and the
         assignments still due to it come on this one."""
@@ -223,11 +224,11 @@ class Controller:
         """A subscriber whose process died can never take its assignments: its requests still
         queued here are cancelled (they would otherwise be placed, and run unread to their last
         token), its stream ends, and what is kept for it goes."""
-        from fairbatch.deployments.cluster.replica import actor_is_dead
+        from fairbatch.deployments.cluster.replica import owner_is_dead
 
         try:
             subs = list(self._subscriber_owner.items())
-            verdicts = await asyncio.gather(*(actor_is_dead(h, 10.0) for _, h in subs))
+            verdicts = await asyncio.gather(*(owner_is_dead(h, 10.0) for _, h in subs))
             for (sub, owner), dead in zip(subs, verdicts):
                 if dead and self._subscriber_owner.get(sub) is owner:
                     await self._drop_subscriber(sub, owner)

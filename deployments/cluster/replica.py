@@ -9,8 +9,9 @@ only when something changed or a heartbeat is due), and the controller's command
 migrate out, counters) run between steps on the engine thread.
 
 A consumer that dies does not end its channel: Ray keeps running an actor's streaming
-generator after the process consuming it is gone. So a consumer that is an actor names itself
-when it submits, and the replica pings it every `owner_check_s` while it has requests here;
+generator after the process consuming it is gone. So a consumer names its process when it
+submits (its actor, or a driver's job: `DriverOwner`), and the replica checks that process
+every `owner_check_s` while it has requests here (a ping, or the GCS's job table);
 the requests of one that is dead are aborted, which frees their KV blocks and, through the
 next report, the controller's slots. One that stops reading is treated alike once its outbox
 holds `unread_items_per_seat x max_num_seqs` items.
@@ -27,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from fairbatch.deployments.cluster.channel import CHANNEL_BACKPRESSURE, Outbox
+from fairbatch.deployments.cluster.channel import CHANNEL_BACKPRESSURE, DriverOwner, Outbox
 from fairbatch.deployments.cluster.wire import Moved, ReplicaReport, RequestMeta, StreamItem
 from fairbatch.engine.core import EngineCore, MigratedRequest, RequestDelta
 from fairbatch.policies import TenantSpec
@@ -162,6 +163,36 @@ async def actor_is_dead(handle: Any, timeout_s: float) -> bool:
     except Exception:
         return False
     return False
+
+
+async def owner_is_dead(owner: Any, timeout_s: float) -> bool:
+    """True only when Ray says the consumer's process is gone: its actor died, or, for a
+    driver (`DriverOwner`), the GCS marked its job dead. No answer in time proves nothing."""
+    if not isinstance(owner, DriverOwner):
+        return await actor_is_dead(owner, timeout_s)
+    import ray
+
+    try:
+        gcs = ray._private.worker.global_worker.gcs_client  # (the job table has no public API)
+        jobs = await asyncio.wait_for(
+            gcs.async_get_all_job_info(
+                job_or_submission_id=owner.job_id,
+                skip_submission_job_info_field=True,
+                skip_is_running_tasks_field=True,
+                timeout=timeout_s,
+            ),
+            timeout_s,
+        )
+    except Exception:
+        return False
+    return any(job.is_dead for job_id, job in jobs.items() if job_id.hex() == owner.job_id)
+
+
+def owner_key(owner: Any) -> str:
+    """An owner's id, for stats: the actor's id, or "job:<id>" for a driver."""
+    if isinstance(owner, DriverOwner):
+        return f"job:{owner.job_id}"
+    return owner._actor_id.hex()
 
 
 class Replica:
@@ -456,7 +487,7 @@ class Replica:
                 await asyncio.gather(*(self._check_owner(b) for b in boxes))
 
     async def _check_owner(self, box: Outbox) -> None:
-        if not await actor_is_dead(box.owner, self.owner_ping_timeout_s):
+        if not await owner_is_dead(box.owner, self.owner_ping_timeout_s):
             return
         # dead: nobody reads these items any more; its channel (if still open) ends too
         self._boxes.pop(box.consumer, None)
@@ -577,8 +608,8 @@ class Replica:
         owners: dict[str, int] = {}
         for box in self._boxes.values():
             if box.owner is not None and box.requests:
-                actor_id = box.owner._actor_id.hex()
-                owners[actor_id] = owners.get(actor_id, 0) + len(box.requests)
+                key = owner_key(box.owner)
+                owners[key] = owners.get(key, 0) + len(box.requests)
         return {**await self.engine.call(run), "owners": owners}
 
     # ---- reports ----------------------------------------------------------------------------

@@ -1,12 +1,15 @@
-"""A client process (an ingress) that dies with requests queued at the controller: its queued
-requests are cancelled there rather than placed and run unread to their last token, its
-assignment stream ends, and its requests already running end on the replica (which the
-controller told whom to watch, also for requests it forwarded before the client opened its
-channel there). Another client is served throughout. Every wait is bounded."""
+"""A client process that dies with requests queued at the controller - an actor (an ingress), or
+a Ray driver: its queued requests are cancelled there rather than placed and run unread to
+their last token, its assignment stream ends, and its requests already running end on the
+replica (which the controller told whom to watch, also for requests it forwarded before the
+client opened its channel there). An actor is known dead by a ping, a driver by its job's
+entry in the GCS. Another client is served throughout. Every wait is bounded."""
 
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import time
 
 import pytest
@@ -14,7 +17,7 @@ import ray
 
 from fairbatch.deployments.cluster.client import ClusterClient
 from fairbatch.deployments.cluster.fairness import ControllerConfig
-from fairbatch.deployments.cluster.launch import start_cluster
+from fairbatch.deployments.cluster.launch import NAMESPACE, start_cluster
 from fairbatch.deployments.cluster.replica import ReplicaConfig
 from fairbatch.engine.sampling_params import SamplingParams
 
@@ -64,11 +67,42 @@ def wait_until(pred, timeout_s: float, what: str):
         time.sleep(0.2)
 
 
-def test_a_dead_clients_queued_requests_are_cancelled_and_its_running_ones_end(cluster):
+# A driver of its own: floods the cluster through its ClusterClient, prints its token count
+# every 0.2 s, and runs until it is killed.
+FLOOD_DRIVER = r"""
+import asyncio, sys
+import ray
+from fairbatch.deployments.cluster.client import ClusterClient
+from fairbatch.engine.sampling_params import SamplingParams
+
+address, controller, namespace, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+ray.init(address=address, log_to_driver=False)
+params = SamplingParams(max_tokens=4000, temperature=0.0, ignore_eos=True)
+tokens = 0
+
+async def one(client, i):
+    global tokens
+    async for item in client.generate([5 + i, 6, 7], params, tenant="flood"):
+        tokens += len(item.token_ids)
+
+async def main():
+    ctl = ray.get_actor(controller, namespace=namespace)
+    client = ClusterClient(ctl, item_timeout_s=600, admit_timeout_s=600)
+    tasks = [asyncio.ensure_future(one(client, i)) for i in range(n)]
+    while True:
+        print(tokens, flush=True)
+        await asyncio.sleep(0.2)
+
+asyncio.run(main())
+"""
+
+
+def a_client_dies(cluster, tokens_so_far, kill) -> None:
+    """With a client flooding the cluster (`SEATS` running, 4 queued): once tokens reach it,
+    `kill()` it; then nothing of it is left at the controller or on the replica, and another
+    client is served."""
     ctl = cluster.controller
     (rep,) = cluster.replicas.values()
-    flood = Flood.remote(ctl)
-    ray.get(flood.start.remote(SEATS + 4), timeout=60)
 
     def stats() -> tuple[dict, dict]:
         return ray.get(ctl.stats.remote(), timeout=30), ray.get(rep.stats.remote(), timeout=30)
@@ -81,11 +115,11 @@ def test_a_dead_clients_queued_requests_are_cancelled_and_its_running_ones_end(c
     assert before["watched_subscribers"] >= 1
 
     def tokens():
-        n = ray.get(flood.progress.remote(), timeout=30)
+        n = tokens_so_far()
         return n > 0, n
 
     wait_until(tokens, 60, "no tokens reached the client")
-    ray.kill(flood, no_restart=True)
+    kill()
 
     def cleaned():
         c, r = stats()
@@ -105,3 +139,32 @@ def test_a_dead_clients_queued_requests_are_cancelled_and_its_running_ones_end(c
         return n
 
     assert asyncio.run(asyncio.wait_for(served(), 60)) == 5
+
+
+def test_a_dead_clients_queued_requests_are_cancelled_and_its_running_ones_end(cluster):
+    flood = Flood.remote(cluster.controller)
+    ray.get(flood.start.remote(SEATS + 4), timeout=60)
+    progress = lambda: ray.get(flood.progress.remote(), timeout=30)  # noqa: E731
+    a_client_dies(cluster, progress, lambda: ray.kill(flood, no_restart=True))
+
+
+def test_a_dead_drivers_queued_requests_are_cancelled_and_its_running_ones_end(cluster):
+    address = ray.get_runtime_context().gcs_address
+    args = [address, f"{cluster.name}-controller", NAMESPACE, str(SEATS + 4)]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", FLOOD_DRIVER, *args], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        last = [0]
+
+        def progress() -> int:  # its latest printed count (it prints every 0.2 s)
+            line = proc.stdout.readline()
+            assert line, f"the driver exited: {proc.wait(5)}"
+            last[0] = int(line)
+            return last[0]
+
+        a_client_dies(cluster, progress, proc.kill)
+        assert proc.wait(10) != 0 and last[0] > 0
+    finally:
+        proc.kill()
+        proc.wait(10)
