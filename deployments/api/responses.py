@@ -240,14 +240,15 @@ def _usage(runs: list[ResponseRun]) -> dict:
     return S.usage(*totals)
 
 
-async def complete_runs(request: Request, runs: list[ResponseRun]) -> JSONResponse:
-    """One response with every run's choice, in index order; any failure fails it all."""
+async def collect_choices(request: Request, runs: list[ResponseRun]) -> list[dict]:
+    """Every run's whole choice, in index order (cancelled if the client leaves); any failure
+    fails it all. The runs are closed either way."""
 
     async def gather() -> list[dict]:
         return list(await asyncio.gather(*(r.collect() for r in runs)))
 
     try:
-        choices = await until_disconnect(request, gather())
+        return await until_disconnect(request, gather())
     except (ApiError, ClientGone):
         raise
     except Exception as e:  # a backend failed mid-way: 503, not 500
@@ -258,6 +259,11 @@ async def complete_runs(request: Request, runs: list[ResponseRun]) -> JSONRespon
     finally:
         for r in runs:
             await r.close()
+
+
+async def complete_runs(request: Request, runs: list[ResponseRun]) -> JSONResponse:
+    """One response with every run's choice, in index order."""
+    choices = await collect_choices(request, runs)
     body = _body(runs, choices)
     body["object"] = "chat.completion" if runs[0].chat else "text_completion"
     body["usage"] = _usage(runs)

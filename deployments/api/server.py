@@ -1,7 +1,8 @@
 """`create_app(backend, config) -> FastAPI`: the OpenAI-compatible HTTP API over a backend.
 
 Routes: GET /health, GET /v1/models[/{model}], POST /v1/completions, POST /v1/chat/completions,
-GET|DELETE /v1/requests/{id} (the caller's own in-flight requests only), and the admin routes
+POST /v1/responses (OpenAI's Responses API, served through the chat path), GET|DELETE
+/v1/requests/{id} (the caller's own in-flight requests only), and the admin routes
 GET /admin/tenants, PATCH /admin/tenants/{name}.
 
 Every request goes: key -> tenant (401), body read under a size cap (413, before parsing),
@@ -44,7 +45,13 @@ from fairbatch.deployments.api.http import (
     validation_message,
 )
 from fairbatch.deployments.api.prometheus import ApiMetrics, add_metrics_route
-from fairbatch.deployments.api.responses import ResponseRun, complete_runs, stream_runs
+from fairbatch.deployments.api.responses import (
+    ResponseRun,
+    collect_choices,
+    complete_runs,
+    stream_runs,
+)
+from fairbatch.deployments.api.responses_api import ResponseBuilder, ResponsesRequest
 from fairbatch.deployments.api.schemas import ApiError, bad_request
 from fairbatch.deployments.api.structured import (
     chat_plan,
@@ -451,12 +458,10 @@ def create_app(
             return SSEResponse(stream_runs(runs, usage), close_all)
         return await complete_runs(request, runs)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Any:
-        tenant = api.tenant(request)
-        api.ready()
-        data = await read_json(request, api.limits.max_body_bytes)
-        body = validate(S.ChatCompletionRequest, data)
+    async def chat_runs(
+        request: Request, tenant: TenantState, body: S.ChatCompletionRequest
+    ) -> list[ResponseRun]:
+        """A validated chat body admitted and started: one run per sample."""
         api.check_model(body.model)
         body.check_unsupported()
         body.check_stream_options()
@@ -481,7 +486,7 @@ def create_app(
         plan = await chat_plan(body, cfg.tool_call_parser, cfg.reasoning_parser)
         params = with_plan(params, plan)
         launched = await api.launch(request, tenant, "chatcmpl", [(ids, params)])
-        runs = [
+        return [
             ResponseRun(
                 api,
                 ticket,
@@ -494,7 +499,29 @@ def create_app(
             )
             for ticket, it, first, _, sample in launched
         ]
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Any:
+        tenant = api.tenant(request)
+        api.ready()
+        data = await read_json(request, api.limits.max_body_bytes)
+        body = validate(S.ChatCompletionRequest, data)
+        runs = await chat_runs(request, tenant, body)
         return await respond(request, runs, body)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Any:
+        tenant = api.tenant(request)
+        api.ready()
+        data = await read_json(request, api.limits.max_body_bytes)
+        body = validate(ResponsesRequest, data)
+        chat = validate(S.ChatCompletionRequest, body.chat_body())
+        (run,) = await chat_runs(request, tenant, chat)
+        reply = ResponseBuilder(body, run)
+        if body.stream:
+            return SSEResponse(reply.events(), run.close)
+        (choice,) = await collect_choices(request, [run])
+        return JSONResponse(reply.whole(choice))
 
     # -- the caller's own requests ---------------------------------------------------------
 

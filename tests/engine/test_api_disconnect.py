@@ -127,12 +127,12 @@ def wait_for(pred, what: str, timeout: float = 30.0):
     return got
 
 
-def send(url: str, body: dict) -> socket.socket:
+def send(url: str, body: dict, path: str = "/v1/completions") -> socket.socket:
     host, port = url.removeprefix("http://").split(":")
     sock = socket.create_connection((host, int(port)), timeout=30)
     data = json.dumps(body).encode()
     sock.sendall(
-        f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
+        f"POST {path} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
         f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode()
         + data
     )
@@ -214,3 +214,28 @@ def test_disconnect_frees_kv_within_one_step_and_counters_stay_right(served, str
     assert stats["engine"]["running"] == 0 and stats["engine"]["waiting"] == 0
     assert stats["in_flight"] == 0
     loop.run(backend.engine.call(core.check_integrity))
+
+
+def test_a_responses_stream_whose_client_leaves_frees_kv_within_one_step(served):
+    """`/v1/responses` streams through the same run: a client that leaves after 3 text deltas
+    has its request aborted within one step of the server noticing, its blocks free."""
+    loop, backend, app, url = served
+    reg = app.state.registry
+    body = {"model": MODEL, "input": "a responses client that will leave early",
+            "max_output_tokens": MAX_TOKENS, "ignore_eos": True, "stream": True}  # fmt: skip
+    sock = send(url, body, "/v1/responses")
+    received = b""
+    while received.count(b"event: response.output_text.delta") < 3:
+        chunk = sock.recv(65536)  # bounded by the socket timeout
+        assert chunk, received[-300:]
+        received += chunk
+    rid = next(iter(reg.requests))
+    sock.close()
+
+    wait_for(lambda: rid in backend.aborted, "the request to be aborted")
+    noticed, aborted = backend.noticed[rid], backend.aborted[rid]
+    assert aborted["held_blocks"] and aborted["gone"] and aborted["all_free"], aborted
+    assert aborted["step"] - noticed["step"] <= 1, (noticed, aborted)
+    assert aborted["computed"] < MAX_TOKENS // 10
+    wait_for(lambda: reg.total_in_flight == 0, "the API to release the request")
+    loop.run(backend.engine.call(backend.engine.engine.check_integrity))

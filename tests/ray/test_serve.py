@@ -278,6 +278,24 @@ def test_chat_and_streaming_chat_agree(served):
     assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens > 0
 
 
+def test_responses_api_through_the_cluster(served):
+    """`/v1/responses` on the Ray Serve app: its reply (whole and streamed) is the same greedy
+    chat request's."""
+    c = client(served, "b")
+    text = "Say something about fair scheduling."
+    chat = c.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": text}], max_tokens=12, temperature=0
+    )
+    kw = dict(model=MODEL, input=text, max_output_tokens=12, temperature=0)
+    whole = c.responses.create(**kw)
+    with c.responses.stream(**kw) as stream:
+        events = list(stream)
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert whole.output_text == deltas == chat.choices[0].message.content
+    assert whole.usage.output_tokens == chat.usage.completion_tokens == 12
+    assert events[-1].type == "response.incomplete"  # it ran to max_output_tokens
+
+
 def test_tool_choice_auto_through_the_deployed_config(served):
     """The Serve config's tool_call_parser reaches the ingress: "auto" (the default with tools)
     is served, and the tiny model, which writes no call, answers what it answers without tools
