@@ -200,6 +200,35 @@ def test_tool_calls_come_back_as_function_call_items_whole_and_streamed():
         app.close()
 
 
+def test_a_named_tool_choice_forces_that_call_and_text_format_sets_the_grammar():
+    pytest.importorskip("xgrammar")
+    # what the grammar would make the model write; every delta its own chunk
+    app = Scripted('{"city": "Rome"}', stream_interval_ms=0)
+    named = {"type": "function", "name": "get_weather"}
+    kw = dict(model=MODEL, input="Weather in Rome?", tools=[WEATHER_TOOL], tool_choice=named)
+    try:
+        whole = app.client.responses.create(**kw)
+        forced = app.backend.params[-1].structured_output
+        with app.client.responses.stream(**kw) as stream:  # arguments stream in fragments
+            n_fragments = sum(e.type == "response.function_call_arguments.delta" for e in stream)
+            streamed = stream.get_final_response()
+        for r in (whole, streamed):
+            (call,) = r.output
+            assert call.type == "function_call" and call.name == "get_weather"
+            assert json.loads(call.arguments) == {"city": "Rome"}
+        assert n_fragments > 1 and forced is not None
+        assert json.loads(forced.json_schema) == WEATHER["function"]["parameters"]
+
+        schema = {"type": "object", "properties": {"answer": {"type": "integer"}}}
+        fmt = {"type": "json_schema", "name": "reply", "schema": schema, "strict": True}
+        app.client.responses.create(model=MODEL, input="2 + 2?", text={"format": fmt})
+        assert json.loads(app.backend.params[-1].structured_output.json_schema) == schema
+        app.client.responses.create(model=MODEL, input="hi", text={"format": {"type": "text"}})
+        assert app.backend.params[-1].structured_output is None
+    finally:
+        app.close()
+
+
 def test_a_reasoning_parsers_thinking_comes_back_as_a_reasoning_item():
     app = Scripted("2 and 2 make 4.</think>It is 4.", reasoning_parser="deepseek_r1")
     kw = dict(model=MODEL, input="What is 2 + 2?")
