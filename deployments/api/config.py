@@ -107,9 +107,9 @@ class AppConfig(_Strict):
     # one SSE chunk (0 = a chunk per delta); the first token always leaves at once.
     stream_interval_ms: float = Field(default=50.0, ge=0, le=1000)
     # The model's tool-call format, for `tool_choice: "auto"` (deployments/api/tool_parsers.py):
-    # "hermes" (Qwen2, Qwen2.5, Hermes), "llama3_json" (Llama 3.1+) or "mistral". None: "auto"
-    # is a 400.
-    tool_call_parser: Literal["hermes", "llama3_json", "mistral"] | None = None
+    # "hermes" (Qwen2, Qwen2.5, Hermes), "llama3_json" (Llama 3.1+), "mistral" or "pythonic"
+    # (Llama 3.2, Llama 4). None: "auto" is a 400.
+    tool_call_parser: Literal["hermes", "llama3_json", "mistral", "pythonic"] | None = None
     # Chat replies of a reasoning model: "deepseek_r1" returns the text up to </think> as
     # `reasoning_content` (deployments/api/reasoning.py). None: the output is the content.
     reasoning_parser: Literal["deepseek_r1"] | None = None

@@ -15,6 +15,11 @@ The app's `tool_call_parser` names the format (vLLM's `--tool-call-parser` names
   `[CALL_ID]...` before `[ARGS]` allowed). `[TOOL_CALLS]` is a special token, so these requests
   keep special tokens in their text. Call ids are 9 letters and digits: Mistral's templates
   refuse any other id when the calls come back in the conversation.
+* `pythonic` (Llama 3.2, and Llama 4 with its tool-calling system prompt): the whole output is
+  one Python list of calls, `[get_weather(city="Rome"), get_time(zone="CET")]`, keyword
+  arguments with literal values (strings, numbers, True/False/None, lists, dicts), optionally
+  between `<|python_start|>` and `<|python_end|>`; it is parsed with `ast`, never evaluated. An
+  output that does not start with `[` is content.
 
 A block becomes calls only when each of its objects names one of the request's tools and has a
 JSON object of arguments; any other block is content, as the model wrote it. The arguments are
@@ -32,6 +37,7 @@ same code on the whole output, so the two agree.
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import secrets
@@ -239,7 +245,85 @@ class MistralFormat:
         return out
 
 
-FORMATS = {"hermes": HermesFormat, "llama3_json": Llama3JsonFormat, "mistral": MistralFormat}
+def _literal(node: ast.expr) -> Any:
+    """A call argument's value: a Python literal (strings, numbers, True/False/None, lists,
+    dicts, tuples as lists), as JSON takes it. Anything else raises ValueError."""
+    value = ast.literal_eval(node)
+    if isinstance(value, (set, frozenset, bytes, complex)):
+        raise ValueError("not a JSON value")
+    json.dumps(value)  # (a tuple becomes a list; a non-string dict key raises)
+    if isinstance(value, dict) and not all(isinstance(k, str) for k in value):
+        raise ValueError("a non-string key")
+    return value
+
+
+def _pythonic_calls(text: str) -> list[tuple[str, dict]] | None:
+    """`[name(key=value, ...), ...]` -> [(name, arguments)], or None if it is not exactly that
+    (keyword arguments only, literal values)."""
+    try:
+        tree = ast.parse(text.strip(), mode="eval")
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return None
+    if not isinstance(tree.body, ast.List) or not tree.body.elts:
+        return None
+    calls = []
+    for node in tree.body.elts:
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)) or node.args:
+            return None
+        try:
+            args = {kw.arg: _literal(kw.value) for kw in node.keywords if kw.arg is not None}
+        except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
+            return None
+        if len(args) != len(node.keywords):  # a **kwargs
+            return None
+        calls.append((node.func.id, args))
+    return calls
+
+
+class PythonicFormat:
+    """Llama 3.2 and Llama 4 (vLLM's `pythonic`): the whole output is one Python list of calls,
+    `[get_weather(city="Rome"), ...]`, optionally between Llama 4's `<|python_start|>` and
+    `<|python_end|>`; an output that does not start with `[` is content."""
+
+    START, END = "<|python_start|>", "<|python_end|>"
+    keeps_special_tokens = False
+    call_id = staticmethod(call_id)
+
+    def __init__(self) -> None:
+        self.buf = ""
+        self.calls: bool | None = None  # None until the output's start tells
+
+    def held(self) -> bool:
+        return bool(self.buf)
+
+    def feed(self, text: str, final: bool) -> list[str | Block]:
+        if self.calls is False:
+            return [text] if text else []
+        self.buf += text
+        head = self.buf.lstrip()
+        if self.calls is None:
+            if head.startswith(self.START) or head.startswith("["):
+                self.calls = True
+            elif head and not self.START.startswith(head):
+                self.calls = False
+            elif not final:
+                return []  # only whitespace, or a start of the tag, so far
+        if not self.calls:
+            out, self.buf, self.calls = self.buf, "", False
+            return [out] if out else []
+        if not final:
+            return []
+        body = head.removeprefix(self.START).rstrip().removesuffix(self.END)
+        raw, self.buf = self.buf, ""
+        return [Block(raw, _pythonic_calls(body))]
+
+
+FORMATS = {
+    "hermes": HermesFormat,
+    "llama3_json": Llama3JsonFormat,
+    "mistral": MistralFormat,
+    "pythonic": PythonicFormat,
+}
 PARSERS = tuple(FORMATS)  # (AppConfig.tool_call_parser takes these)
 
 

@@ -75,6 +75,23 @@ CASES = [
      [], "length", "length"),
     ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "arguments": "Paris"}]',
      '[TOOL_CALLS] [{"name": "get_weather", "arguments": "Paris"}]', [], "stop", "stop"),
+    ("pythonic", '[get_weather(city="Paris", days=2), get_weather(city=\'Rome\')]', None,
+     [(GW, PARIS), (GW, ROME)], "stop", "tool_calls"),
+    ("pythonic", '<|python_start|>[get_weather(city="Rome")]<|python_end|>', None, [(GW, ROME)],
+     "stop", "tool_calls"),
+    ("pythonic", ' [get_time(zone=None, dst=True, at=[-1, 2.5], opts={"a": (1, 2)})]\n', None,
+     [("get_time", {"zone": None, "dst": True, "at": [-1, 2.5], "opts": {"a": [1, 2]}})], "stop",
+     "tool_calls"),
+    ("pythonic", "It is sunny [in Rome].", "It is sunny [in Rome].", [], "stop", "stop"),
+    ("pythonic", "[1, 2, 3]", "[1, 2, 3]", [], "stop", "stop"),  # a list, but of no calls
+    # a positional argument; a value that is not a literal (never evaluated)
+    ("pythonic", '[get_weather("Rome")]', '[get_weather("Rome")]', [], "stop", "stop"),
+    ("pythonic", "[get_weather(city=open('x'))]", "[get_weather(city=open('x'))]", [], "stop",
+     "stop"),
+    ("pythonic", '[rm_rf(path="/")]', '[rm_rf(path="/")]', [], "stop", "stop"),  # no such tool
+    ("pythonic", '[get_weather(city="Pa', '[get_weather(city="Pa', [], "length", "length"),
+    ("pythonic", "[get_weather(**{'city': 'Rome'})]", "[get_weather(**{'city': 'Rome'})]", [],
+     "stop", "stop"),
 ]  # fmt: skip
 
 
@@ -159,7 +176,7 @@ def test_the_config_takes_exactly_the_parsers_that_exist():
     field = AppConfig.model_fields["tool_call_parser"].annotation
     assert set(typing.get_args(typing.get_args(field)[0])) == set(PARSERS)
     with pytest.raises(ConfigError, match="tool_call_parser"):
-        parse_config({"tool_call_parser": "pythonic"})
+        parse_config({"tool_call_parser": "granite"})
 
 
 # ---- the API over a scripted backend that writes a Hermes (or Mistral) reply ---------------------
