@@ -155,8 +155,12 @@ class HermesFormat:
             self.buf, self.in_call = self.buf[j + len(self.END) :], False
 
 
-class Llama3JsonFormat:
-    TAG = "<|python_tag|>"
+class WholeOutputFormat:
+    """A format whose calls are the whole output, told by how it starts: an output that starts
+    (after whitespace) with `TAG` or `OPEN` is held to its end and parsed as calls (`parse`),
+    any other output is content as it comes."""
+
+    TAG, OPEN = "", ""
     keeps_special_tokens = False
     call_id = staticmethod(call_id)
 
@@ -167,13 +171,16 @@ class Llama3JsonFormat:
     def held(self) -> bool:
         return bool(self.buf)
 
+    def parse(self, body: str) -> list[tuple[str, dict]] | None:
+        raise NotImplementedError
+
     def feed(self, text: str, final: bool) -> list[str | Block]:
         if self.calls is False:
             return [text] if text else []
         self.buf += text
         head = self.buf.lstrip()
         if self.calls is None:
-            if head.startswith(self.TAG) or head.startswith("{"):
+            if head.startswith(self.TAG) or head.startswith(self.OPEN):
                 self.calls = True
             elif head and not self.TAG.startswith(head):
                 self.calls = False
@@ -184,12 +191,17 @@ class Llama3JsonFormat:
             return [out] if out else []
         if not final:
             return []
-        body = head.removeprefix(self.TAG)
+        raw, self.buf = self.buf, ""
+        return [Block(raw, self.parse(head.removeprefix(self.TAG)))]
+
+
+class Llama3JsonFormat(WholeOutputFormat):
+    TAG, OPEN = "<|python_tag|>", "{"
+
+    def parse(self, body: str) -> list[tuple[str, dict]] | None:
         objs = _json_objects(body, ";")
         calls = [_call(o, ("parameters", "arguments")) for o in objs or []]
-        ok = bool(calls) and all(c is not None for c in calls)
-        raw, self.buf = self.buf, ""
-        return [Block(raw, calls if ok else None)]
+        return calls if calls and all(c is not None for c in calls) else None
 
 
 _MISTRAL_CALL = re.compile(
@@ -280,42 +292,16 @@ def _pythonic_calls(text: str) -> list[tuple[str, dict]] | None:
     return calls
 
 
-class PythonicFormat:
+class PythonicFormat(WholeOutputFormat):
     """Llama 3.2 and Llama 4 (vLLM's `pythonic`): the whole output is one Python list of calls,
     `[get_weather(city="Rome"), ...]`, optionally between Llama 4's `<|python_start|>` and
-    `<|python_end|>`; an output that does not start with `[` is content."""
+    `<|python_end|>`."""
 
-    START, END = "<|python_start|>", "<|python_end|>"
-    keeps_special_tokens = False
-    call_id = staticmethod(call_id)
+    TAG, OPEN = "<|python_start|>", "["
+    END = "<|python_end|>"
 
-    def __init__(self) -> None:
-        self.buf = ""
-        self.calls: bool | None = None  # None until the output's start tells
-
-    def held(self) -> bool:
-        return bool(self.buf)
-
-    def feed(self, text: str, final: bool) -> list[str | Block]:
-        if self.calls is False:
-            return [text] if text else []
-        self.buf += text
-        head = self.buf.lstrip()
-        if self.calls is None:
-            if head.startswith(self.START) or head.startswith("["):
-                self.calls = True
-            elif head and not self.START.startswith(head):
-                self.calls = False
-            elif not final:
-                return []  # only whitespace, or a start of the tag, so far
-        if not self.calls:
-            out, self.buf, self.calls = self.buf, "", False
-            return [out] if out else []
-        if not final:
-            return []
-        body = head.removeprefix(self.START).rstrip().removesuffix(self.END)
-        raw, self.buf = self.buf, ""
-        return [Block(raw, _pythonic_calls(body))]
+    def parse(self, body: str) -> list[tuple[str, dict]] | None:
+        return _pythonic_calls(body.rstrip().removesuffix(self.END))
 
 
 FORMATS = {

@@ -7,6 +7,7 @@ items render the same prompt as their chat messages; tool calls and reasoning co
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import httpx
 import openai
@@ -50,6 +51,15 @@ class Scripted:
 
     def close(self) -> None:
         self.loop.close()
+
+
+def whole_and_streamed(client: openai.OpenAI, kw: dict) -> tuple[Any, list[str], Any]:
+    """The response to `kw` whole, and streamed: its event types and its final response (the
+    SDK's stream helper checks every event against the items it has seen)."""
+    whole = client.responses.create(**kw)
+    with client.responses.stream(**kw) as stream:
+        kinds = [e.type for e in stream]
+        return whole, kinds, stream.get_final_response()
 
 
 def test_a_response_has_the_reply_and_usage_of_the_same_chat_request(tiny):
@@ -183,10 +193,7 @@ def test_tool_calls_come_back_as_function_call_items_whole_and_streamed():
     app = Scripted("Checking." + CALL, tool_call_parser="hermes")
     kw = dict(model=MODEL, input="Weather in Rome?", tools=[WEATHER_TOOL])
     try:
-        whole = app.client.responses.create(**kw)
-        with app.client.responses.stream(**kw) as stream:
-            kinds = [e.type for e in stream]
-            streamed = stream.get_final_response()
+        whole, kinds, streamed = whole_and_streamed(app.client, kw)
         for r in (whole, streamed):
             message, call = r.output
             assert message.type == "message" and message.content[0].text == "Checking."
@@ -233,10 +240,7 @@ def test_a_reasoning_parsers_thinking_comes_back_as_a_reasoning_item():
     app = Scripted("2 and 2 make 4.</think>It is 4.", reasoning_parser="deepseek_r1")
     kw = dict(model=MODEL, input="What is 2 + 2?")
     try:
-        whole = app.client.responses.create(**kw)
-        with app.client.responses.stream(**kw) as stream:
-            kinds = [e.type for e in stream]
-            streamed = stream.get_final_response()
+        whole, kinds, streamed = whole_and_streamed(app.client, kw)
         for r in (whole, streamed):
             thought, answer = r.output
             assert thought.type == "reasoning"
