@@ -53,4 +53,4 @@ def test_the_parser_flags_reach_the_app_args(tmp_path):
     thinking = parser.parse_args(["serve", "--reasoning-parser", "deepseek_r1"])
     assert parse_app_args(app_args(thinking)).reasoning_parser == "deepseek_r1"
     with pytest.raises(SystemExit):  # argparse refuses a format that has no parser
-        parser.parse_args(["serve", "--tool-call-parser", "pythonic"])
+        parser.parse_args(["serve", "--tool-call-parser", "granite"])
