@@ -11,6 +11,10 @@ import tempfile
 
 os.environ["RAY_AUTH_MODE"] = "disabled"
 os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+# Ray's single-machine mode (what it uses on macOS and Windows): its node address is 127.0.0.1,
+# so Ray's own traffic stays on loopback like the tests'. (On Linux Ray takes the machine's
+# network address, even when asked for 127.0.0.1.) The opt-in multi-node tests drop it.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 _TMP = tempfile.mkdtemp(prefix="fbray-", dir="/tmp")
 os.environ.setdefault("RAY_TMPDIR", _TMP)
 

@@ -58,6 +58,7 @@ def autoscaling_ray():
     with open(path, "w") as f:
         json.dump(config, f)
     env = dict(os.environ, RAY_FAKE_CLUSTER="1", AUTOSCALER_UPDATE_INTERVAL_S="1")
+    env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)  # (conftest's): worker nodes join here
     cmd = ["ray", "start", "--head", f"--port={port}", "--num-cpus=2", "--num-gpus=0"]
     cmd += [f"--autoscaling-config={path}", f"--temp-dir={tmp}", "--include-dashboard=false"]
     subprocess.check_call(cmd, env=env)
