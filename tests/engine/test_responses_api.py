@@ -282,16 +282,24 @@ def test_bad_input_is_a_400_naming_its_field(change, param):
         app.close()
 
 
-def test_langchain_over_the_responses_api():
+def test_langchain_over_the_responses_api_a_call_and_its_result():
     langchain_openai = pytest.importorskip("langchain_openai")
     app = Scripted("Checking." + CALL, tool_call_parser="hermes")
     try:
         llm = langchain_openai.ChatOpenAI(
             model=MODEL, base_url=app.url + "/v1", api_key=KEY, use_responses_api=True
         )
-        reply = llm.bind_tools([WEATHER]).invoke("Weather in Rome?")
+        from langchain_core.messages import HumanMessage, ToolMessage
+
+        bound = llm.bind_tools([WEATHER])
+        question = HumanMessage("Weather in Rome?")
+        reply = bound.invoke([question])
         assert reply.tool_calls[0]["name"] == "get_weather"
         assert reply.tool_calls[0]["args"] == {"city": "Rome"}
         assert reply.text == "Checking."
+        # the second turn: LangChain sends its reply's items back, with the tool's result
+        result = ToolMessage(content="It is 21 C.", tool_call_id=reply.tool_calls[0]["id"])
+        bound.invoke([question, reply, result])
+        assert "It is 21 C." in app.backend.tokenizer.decode(app.backend.prompts[-1])
     finally:
         app.close()
