@@ -48,6 +48,13 @@ class ResponsesRequest(S._Body):
     truncation: Literal["disabled"] | None = None  # "auto" (drop old turns) is not supported
     include: list[str] | None = None  # no extra output data is supported: empty only
     reasoning: dict[str, Any] | None = None  # accepted: the model thinks as it was trained to
+    # accepted, with nothing to do here: there is no obfuscation to turn off, every prompt is
+    # prefix-cached by its tenant's salt, one service tier; `safety_identifier` as `user`
+    stream_options: dict[str, bool] | None = None
+    prompt_cache_key: str | None = None
+    service_tier: Literal["auto", "default"] | None = None
+    safety_identifier: str | None = None
+    background: Literal[False] | None = None  # a response runs while its request is open
     # fairbatch's extensions, as on the other endpoints
     ignore_eos: bool = False
     timeout: float | None = Field(default=None, gt=0, le=MAX_DEADLINE_S)
@@ -62,6 +69,8 @@ class ResponsesRequest(S._Body):
             )
         if self.include:
             raise bad_request("include is not supported", "include")
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options is only allowed when stream is true", "stream")
         body: dict[str, Any] = {"model": self.model, "messages": self.messages()}
         fields = ("temperature", "top_p", "stream", "parallel_tool_calls", "user", "ignore_eos",
                   "timeout", "max_queue_time_s")  # fmt: skip
@@ -213,6 +222,7 @@ class ResponseBuilder:
             "parallel_tool_calls": r.parallel_tool_calls is not False,
             "previous_response_id": None,
             "reasoning": {"effort": None, "summary": None},
+            "service_tier": "default",
             "store": False,
             "temperature": 1.0 if r.temperature is None else r.temperature,
             "text": r.text or {"format": {"type": "text"}},

@@ -265,6 +265,8 @@ def test_a_reasoning_parsers_thinking_comes_back_as_a_reasoning_item():
         ({"text": {"format": {"type": "xml"}}}, "text.format"),
         ({"include": ["reasoning.encrypted_content"]}, "include"),
         ({"truncation": "auto"}, "truncation"),
+        ({"background": True}, "background"),
+        ({"stream_options": {"include_obfuscation": False}}, "stream"),  # without stream
         ({"frobnicate": 1}, "frobnicate"),
     ],
 )
@@ -278,6 +280,23 @@ def test_bad_input_is_a_400_naming_its_field(change, param):
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"] == param, r.text
         assert app.backend.prompts == []  # nothing reached the backend
+    finally:
+        app.close()
+
+
+def test_fields_with_nothing_to_do_here_are_accepted():
+    app = Scripted("Hello.")
+    try:
+        r = app.client.responses.create(
+            model=MODEL, input="hi", store=True, background=False, service_tier="auto",
+            prompt_cache_key="k1", safety_identifier="u1", metadata={"run": "7"},
+            reasoning={"effort": "low"}, truncation="disabled", include=[],
+        )  # fmt: skip
+        assert r.output_text == "Hello." and r.store is False and r.metadata == {"run": "7"}
+        with app.client.responses.stream(
+            model=MODEL, input="hi", stream_options={"include_obfuscation": False}
+        ) as stream:
+            assert stream.get_final_response().output_text == "Hello."
     finally:
         app.close()
 
