@@ -215,7 +215,7 @@ class ResponseBuilder:
             "model": self.run.api.model_name,
             "output": list(self.output),
             "error": error,
-            "incomplete_details": {"reason": "max_output_tokens"} if finish == "length" else None,
+            "incomplete_details": _incomplete(finish),
             "instructions": r.instructions,
             "max_output_tokens": r.max_output_tokens,
             "metadata": r.metadata or {},
@@ -390,5 +390,14 @@ class ResponseBuilder:
         return out
 
 
+# chat finish_reason -> why a response is incomplete ("timeout": fairbatch's deadlines)
+INCOMPLETE = {"length": "max_output_tokens", "timeout": "timeout"}
+
+
+def _incomplete(finish: str | None) -> dict | None:
+    reason = INCOMPLETE.get(finish or "")
+    return None if reason is None else {"reason": reason}
+
+
 def _status(finish: str | None) -> str:
-    return "incomplete" if finish == "length" else "completed"
+    return "incomplete" if finish in INCOMPLETE else "completed"

@@ -88,7 +88,7 @@ class ClusterClient:
 
     def owner(self) -> tuple[str, Any] | None:
         """(actor id, handle) of the actor this client runs in; ("job:<id>", DriverOwner) in
-        a driver; None in a task (its worker outlives nothing it could be checked by)."""
+        a driver; None in a task (no process of its own to check)."""
         if not self._owner_known:
             ctx = ray.get_runtime_context()
             actor_id = ctx.get_actor_id()

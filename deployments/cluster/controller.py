@@ -148,8 +148,8 @@ class Controller:
         when its handle went in this or an earlier message. (A replica id never names another
         actor: a replacement gets an id of its own, `replica_set.SEP`.) `owner`: the
         subscriber's process, its actor handle or a driver's `DriverOwner` (None: not known);
-        once it is dead, its queued
-        requests are cancelled and this stream ends (`_check_subscribers`). `replaces`: the
+        once it is dead, its queued requests are cancelled and this stream ends
+        (`_check_subscribers`). `replaces`: the
         id this client subscribed under before (its stream broke): that stream ends, and the
         assignments still due to it come on this one."""
         self._background()

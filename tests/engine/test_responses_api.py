@@ -284,6 +284,33 @@ def test_bad_input_is_a_400_naming_its_field(change, param):
         app.close()
 
 
+class TimesOut(ScriptedReply):
+    """Writes its reply, then the request's deadline passes (finish reason "timeout")."""
+
+    async def generate(self, prompt_token_ids, params, **kw):
+        from fairbatch.deployments.cluster.wire import StreamItem
+
+        async for item in super().generate(prompt_token_ids, params, **kw):
+            item.finished, item.finish_reason = False, None
+            yield item
+        yield StreamItem([], "", True, "timeout")
+
+
+def test_a_deadline_that_passes_makes_the_response_incomplete():
+    app = Scripted("So far.")
+    app.backend.__class__ = TimesOut
+    try:
+        kw = dict(model=MODEL, input="hi", extra_body={"timeout": 5})
+        whole = app.client.responses.create(**kw)
+        with app.client.responses.stream(**kw) as stream:
+            last = list(stream)[-1]
+        for r in (whole, last.response):
+            assert r.output_text == "So far." and r.incomplete_details.reason == "timeout"
+        assert whole.status == "incomplete" and last.type == "response.incomplete"
+    finally:
+        app.close()
+
+
 def test_fields_with_nothing_to_do_here_are_accepted():
     app = Scripted("Hello.")
     try:
