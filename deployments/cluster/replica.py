@@ -248,11 +248,12 @@ class Replica:
     ) -> list[str | None]:
         """Start new (or resubmitted) requests whose items go to `consumer`'s channel. Returns
         one entry per request: None when it was added, else why it was refused. `owner`: the
-        consumer's actor handle, watched so its requests end if it dies; None for a driver (or
-        not known yet: its channel brings it). `forwarded`: sent by the controller for the
-        consumer, which is not waiting for this answer: a refusal also goes to the consumer as
-        the request's last item, and a request already here for the consumer counts as added
-        (the controller restarted and placed it again)."""
+        consumer's process (its actor handle, or a driver's `DriverOwner`), watched so its
+        requests end if it dies; None when not known yet (its channel brings it).
+        `forwarded`: sent by the controller for the consumer, which is not waiting for this
+        answer: a refusal also goes to the consumer as the request's last item, and a request
+        already here for the consumer counts as added (the controller restarted and placed it
+        again)."""
         self._start_reporter()
         if consumer in self._dead_consumers:  # nobody would read its items: never run them
             return [DEAD_CONSUMER] * len(metas)
