@@ -149,9 +149,8 @@ class Controller:
         actor: a replacement gets an id of its own, `replica_set.SEP`.) `owner`: the
         subscriber's process, its actor handle or a driver's `DriverOwner` (None: not known);
         once it is dead, its queued requests are cancelled and this stream ends
-        (`_check_subscribers`). `replaces`: the
-        id this client subscribed under before (its stream broke): that stream ends, and the
-        assignments still due to it come on this one."""
+        (`_check_subscribers`). `replaces`: the id this client subscribed under before (its
+        stream broke): that stream ends, and the assignments still due to it come on this one."""
         self._background()
         if owner is not None:
             self._subscriber_owner[subscriber] = owner

@@ -107,12 +107,12 @@ def a_client_dies(cluster, tokens_so_far, kill) -> None:
     def stats() -> tuple[dict, dict]:
         return ray.get(ctl.stats.remote(), timeout=30), ray.get(rep.stats.remote(), timeout=30)
 
-    def flooding():
+    def flooding():  # (the client's assignment stream, which names its owner, may start last)
         c, r = stats()
-        return c["queued_by_tenant"].get("flood", 0) == 4 and r["running"] == SEATS, (c, r)
+        full = c["queued_by_tenant"].get("flood", 0) == 4 and r["running"] == SEATS
+        return full and c["watched_subscribers"] >= 1, (c, r)
 
     before, _ = wait_until(flooding, 60, "the flood never filled the seats and the queue")
-    assert before["watched_subscribers"] >= 1
 
     def tokens():
         n = tokens_so_far()
@@ -145,7 +145,10 @@ def test_a_dead_clients_queued_requests_are_cancelled_and_its_running_ones_end(c
     flood = Flood.remote(cluster.controller)
     ray.get(flood.start.remote(SEATS + 4), timeout=60)
     progress = lambda: ray.get(flood.progress.remote(), timeout=30)  # noqa: E731
-    a_client_dies(cluster, progress, lambda: ray.kill(flood, no_restart=True))
+    try:
+        a_client_dies(cluster, progress, lambda: ray.kill(flood, no_restart=True))
+    finally:  # (also when it failed: the next test starts from an idle cluster)
+        ray.kill(flood, no_restart=True)
 
 
 def test_a_dead_drivers_queued_requests_are_cancelled_and_its_running_ones_end(cluster):
