@@ -199,13 +199,16 @@ class ResponseBuilder:
         self.seq = 0
         self.output: list[dict[str, Any]] = []  # the items done so far
         self.open: dict[str, Any] | None = None  # the item being streamed
+        self.open_text: list[str] = []  # its text so far (a message or reasoning item)
+        # the tools as the Responses API writes them (flat), once checked
+        self.tools = [_chat_tool(t, "tools")["function"] | {"type": "function"}
+                      for t in request.tools or []]  # fmt: skip
         self.calls: dict[int, dict[str, Any]] = {}  # chat tool-call index -> its item
 
     # -- the response object ----------------------------------------------------------------
 
     def response(self, status: str, finish: str | None = None, error: Any = None) -> dict:
-        r = self.request
-        tools = [_chat_tool(t, "tools")["function"] | {"type": "function"} for t in r.tools or []]
+        r, tools = self.request, self.tools
         prompt, completion, cached = self.run.usage()
         body: dict[str, Any] = {
             "id": self.id,
@@ -325,12 +328,12 @@ class ResponseBuilder:
         if self.open is None or self.open["type"] != kind:
             out += self._close()
             self.open = (self._message if kind == "message" else self._reasoning)("", "in_progress")
-            self.open["_text"] = []
+            self.open_text = []
             out.append(self._added())
             if kind == "message":
                 part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
                 out.append(self._event("response.content_part.added", **self._ids(), part=part))
-        self.open["_text"].append(text)
+        self.open_text.append(text)
         if kind == "message":
             out.append(self._event("response.output_text.delta", **self._ids(), delta=text,
                                    logprobs=[]))  # fmt: skip
@@ -359,8 +362,7 @@ class ResponseBuilder:
         return out
 
     def _added(self) -> str:
-        item = {k: v for k, v in self.open.items() if not k.startswith("_")}
-        return self._event("response.output_item.added", output_index=self._index(), item=item)
+        return self._event("response.output_item.added", output_index=self._index(), item=self.open)
 
     def _close(self) -> list[str]:
         """The done events of the open item, which joins the output."""
@@ -369,15 +371,14 @@ class ResponseBuilder:
             return []
         out, index = [], self._index()
         kind, ids = item["type"], {"item_id": item["id"], "output_index": index}
+        text = "".join(self.open_text)
         if kind == "message":
-            text = "".join(item.pop("_text"))
             part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
             out.append(self._event("response.output_text.done", **ids, content_index=0, text=text,
                                    logprobs=[]))  # fmt: skip
             out.append(self._event("response.content_part.done", **ids, content_index=0, part=part))
             item["content"] = [part]
         elif kind == "reasoning":
-            text = "".join(item.pop("_text"))
             out.append(self._event("response.reasoning_text.done", **ids, content_index=0,
                                    text=text))  # fmt: skip
             item["content"] = [{"type": "reasoning_text", "text": text}]
