@@ -12,6 +12,10 @@ tool call) is not split: the grammar holds from its first token, so there is no 
 
 Streamed, text that may be the start of `</think>` is held until it is known; log-probs go out
 with the text they score, as with tool calls.
+
+`usage.completion_tokens_details.reasoning_tokens` counts the output tokens up to the one that
+completes `</think>` (all of them when it never comes), from the engine's deltas as they were
+made, one token each, before the stream interval merges them.
 """
 
 from __future__ import annotations
@@ -37,6 +41,17 @@ class ReasoningSplit:
         self.buf = ""  # held text
         self.reasoning: list[str] = []  # the reasoning that went out
         self.records: list[Any] = []  # log-prob records of held text
+        self.reasoning_tokens = 0  # output tokens up to the one that completes </think>
+        self._tail: str | None = ""  # the counted text's end (None: </think> was seen)
+
+    def count(self, text: str, num_tokens: int) -> None:
+        """Count one engine delta (its text and number of tokens) toward `reasoning_tokens`:
+        every delta until, and with, the one whose text completes </think>."""
+        if self._tail is None:
+            return
+        self.reasoning_tokens += num_tokens
+        seen = self._tail + text
+        self._tail = None if self.END in seen else seen[-(len(self.END) - 1) :]
 
     def _think(self, final: bool) -> tuple[str, str]:
         """(reasoning that goes out now, text after </think>) from the held text."""

@@ -84,9 +84,14 @@ class ResponseRun:
     async def deltas(self) -> AsyncIterator[Any]:
         """The first delta, then the backend's; closing this closes the backend stream (which
         aborts the request unless it finished)."""
+        count = getattr(self.output, "count", None)  # a reasoning split counts its tokens
         try:
+            if count is not None:
+                count(self.first.text, len(self.first.token_ids))
             yield self.first
             async for d in self.it:
+                if count is not None:
+                    count(d.text, len(d.token_ids))
                 yield d
         finally:
             await close_stream(self.it)
@@ -126,9 +131,12 @@ class ResponseRun:
             )  # fmt: skip
         return text, [[(ids[0], None)], *scored[1:]]
 
-    def usage(self) -> tuple[int, int, int]:
+    def usage(self) -> tuple[int, int, int, int | None]:
+        """(prompt, completion, cached, reasoning tokens; None where no reasoning parser
+        split this output)."""
         t = self.ticket
-        return t.prompt_tokens, t.completion_tokens, self.cached_tokens
+        reasoning = getattr(self.output, "reasoning_tokens", None)
+        return t.prompt_tokens, t.completion_tokens, self.cached_tokens, reasoning
 
     async def collect(self) -> dict:
         """The whole choice (raises ApiError when the request failed or was cancelled)."""
@@ -236,8 +244,10 @@ def _body(runs: list[ResponseRun], choices: list[dict]) -> dict:
 
 
 def _usage(runs: list[ResponseRun]) -> dict:
-    totals = [sum(x) for x in zip(*(r.usage() for r in runs))]
-    return S.usage(*totals)
+    rows = [r.usage() for r in runs]
+    totals = [sum(x) for x in zip(*(row[:3] for row in rows))]
+    reasoning = [row[3] for row in rows if row[3] is not None]
+    return S.usage(*totals, reasoning_tokens=sum(reasoning) if reasoning else None)
 
 
 async def collect_choices(request: Request, runs: list[ResponseRun]) -> list[dict]:

@@ -209,7 +209,7 @@ class ResponseBuilder:
 
     def response(self, status: str, finish: str | None = None, error: Any = None) -> dict:
         r, tools = self.request, self.tools
-        prompt, completion, cached = self.run.usage()
+        prompt, completion, cached, reasoning = self.run.usage()
         body: dict[str, Any] = {
             "id": self.id,
             "object": "response",
@@ -241,7 +241,7 @@ class ResponseBuilder:
                 "input_tokens": prompt,
                 "input_tokens_details": {"cached_tokens": cached},
                 "output_tokens": completion,
-                "output_tokens_details": {"reasoning_tokens": 0},
+                "output_tokens_details": {"reasoning_tokens": reasoning or 0},
                 "total_tokens": prompt + completion,
             }
         return body

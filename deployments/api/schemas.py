@@ -350,14 +350,23 @@ class TenantPatch(BaseModel):
 # ---- responses --------------------------------------------------------------------------------
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
-    """OpenAI's usage object; `cached_tokens`: prompt tokens served from the prefix cache."""
-    return {
+def usage(
+    prompt_tokens: int,
+    completion_tokens: int,
+    cached_tokens: int = 0,
+    reasoning_tokens: int | None = None,
+) -> dict:
+    """OpenAI's usage object; `cached_tokens`: prompt tokens served from the prefix cache;
+    `reasoning_tokens`: the completion's thinking, where a reasoning parser split it off."""
+    body = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+    if reasoning_tokens is not None:
+        body["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return body
 
 
 def finish_reason(reason: str | None) -> str | None:

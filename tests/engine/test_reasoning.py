@@ -102,6 +102,37 @@ def test_calls_after_the_thinking_are_tool_calls():
     assert "tool_calls" not in message and finish == "stop"
 
 
+def reasoning_tokens_of(tokenizer, ids: list[int]) -> int:
+    """The reference: the fewest output tokens whose decoded text holds </think> (all of them
+    when none does)."""
+    for k in range(1, len(ids) + 1):
+        if ReasoningSplit.END in tokenizer.decode(ids[:k]):
+            return k
+    return len(ids)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [c[0] for c in CASES] + ["né, 雨 🌧</think>ça ✓", "🌧🌧</think>", "x" * 40 + "</think>"],
+)
+def test_the_reasoning_tokens_are_those_up_to_the_end_tag(text):
+    from fairbatch.engine.detokenizer import IncrementalDetokenizer
+    from fairbatch.engine.tokenizer import Tokenizer
+
+    tok = Tokenizer.tiny()
+    ids = tok.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, [])
+    deltas = [detok.add_token(t) for t in ids]  # as the engine makes them: one token each
+    deltas[-1] += detok.finish()
+    assert "".join(deltas) == text
+    if "🌧" in text:  # a token ends inside the character: its text is held to the next one
+        assert "" in deltas
+    split = ReasoningSplit()
+    for piece in deltas:
+        split.count(piece, 1)
+    assert split.reasoning_tokens == reasoning_tokens_of(tok, ids)
+
+
 # ---- through the API ----------------------------------------------------------------------------
 
 REPLY = "Two and two.\n</think>\n\nIt is 4."
@@ -121,14 +152,31 @@ def client(backend):
     loop.close()
 
 
+# The scripted backend writes REPLY 4 characters a token: the reasoning is every piece up to
+# the one that completes </think>, whatever the stream interval merges.
+PIECES = [REPLY[i : i + 4] for i in range(0, len(REPLY), 4)]
+REASONING_TOKENS = next(k for k in range(len(PIECES)) if "</think>" in "".join(PIECES[: k + 1])) + 1
+
+
 def test_the_openai_client_gets_the_reasoning_apart(client):
-    msg = client.chat.completions.create(model=MODEL, messages=QUESTION).choices[0].message
+    out = client.chat.completions.create(model=MODEL, messages=QUESTION)
+    msg = out.choices[0].message
     assert (msg.reasoning_content, msg.content) == ("Two and two.\n", "\n\nIt is 4.")
-    chunks = list(client.chat.completions.create(model=MODEL, messages=QUESTION, stream=True))
+    assert REASONING_TOKENS == 6 and out.usage.completion_tokens == len(PIECES) == 8
+    assert out.usage.completion_tokens_details.reasoning_tokens == REASONING_TOKENS
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=QUESTION, stream=True, stream_options={"include_usage": True}
+        )
+    )
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     thought = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
     assert (thought, "".join(d.content or "" for d in deltas)) == ("Two and two.\n", "\n\nIt is 4.")
-    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert [c for c in chunks if c.choices][-1].choices[0].finish_reason == "stop"
+    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == REASONING_TOKENS
+    # n samples: their reasoning tokens add up, as their completion tokens do
+    two = client.chat.completions.create(model=MODEL, messages=QUESTION, n=2)
+    assert two.usage.completion_tokens_details.reasoning_tokens == 2 * REASONING_TOKENS
 
 
 def test_the_reply_goes_back_in_the_conversation_without_its_thinking(client, backend):
@@ -150,6 +198,19 @@ def test_a_request_with_a_grammar_is_not_split(client):
     )
     msg = out.choices[0].message
     assert msg.content == REPLY and getattr(msg, "reasoning_content", None) is None
+    assert out.usage.completion_tokens_details is None
+
+
+def test_without_a_reasoning_parser_the_usage_has_no_reasoning_tokens(backend):
+    loop = ServerLoop()
+    try:
+        url = loop.serve(create_app(backend, {"tenants": [{"name": "t", "api_key": KEY}]}))
+        plain = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=30)
+        out = plain.chat.completions.create(model=MODEL, messages=QUESTION)
+        assert out.choices[0].message.content == REPLY and out.usage.completion_tokens == 8
+        assert out.usage.completion_tokens_details is None
+    finally:
+        loop.close()
 
 
 def test_the_config_takes_the_parser_and_refuses_others():

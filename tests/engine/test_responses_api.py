@@ -237,8 +237,11 @@ def test_a_named_tool_choice_forces_that_call_and_text_format_sets_the_grammar()
 
 
 def test_a_reasoning_parsers_thinking_comes_back_as_a_reasoning_item():
-    app = Scripted("2 and 2 make 4.</think>It is 4.", reasoning_parser="deepseek_r1")
+    reply = "2 and 2 make 4.</think>It is 4."
+    app = Scripted(reply, reasoning_parser="deepseek_r1")
     kw = dict(model=MODEL, input="What is 2 + 2?")
+    pieces = [reply[i : i + 3] for i in range(0, len(reply), 3)]  # a token each
+    thinking = next(k for k in range(1, len(pieces)) if "</think>" in "".join(pieces[:k]))
     try:
         whole, kinds, streamed = whole_and_streamed(app.client, kw)
         for r in (whole, streamed):
@@ -246,6 +249,8 @@ def test_a_reasoning_parsers_thinking_comes_back_as_a_reasoning_item():
             assert thought.type == "reasoning"
             assert thought.content[0].text == "2 and 2 make 4."
             assert answer.type == "message" and r.output_text == "It is 4."
+            assert (r.usage.output_tokens, thinking) == (len(pieces), 8)
+            assert r.usage.output_tokens_details.reasoning_tokens == thinking
         assert kinds.index("response.reasoning_text.done") < kinds.index(
             "response.content_part.added"
         )

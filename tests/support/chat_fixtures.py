@@ -36,7 +36,9 @@ class ScriptedReply:
         self.params: list = []
         self.prompts: list[list[int]] = []
 
-    async def generate(self, prompt_token_ids, params, *, request_id, tenant, priority):
+    async def generate(
+        self, prompt_token_ids, params, *, request_id, tenant, priority, fork_of=None
+    ):
         from fairbatch.deployments.cluster.wire import StreamItem
 
         self.params.append(params)
