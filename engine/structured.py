@@ -328,7 +328,14 @@ class StructuredOutput:
         matchers = self.matchers
         for rid, token in new_tokens.items():
             matcher = matchers.get(rid)
-            if matcher is None or rid in out:
+            if matcher is None:
+                continue
+            reason = out.get(rid)
+            if reason == "length":  # its last token: if it completes the grammar, a "stop"
+                if matcher.accept_token(token) and (matcher.is_terminated() or self._done(matcher)):
+                    out[rid] = "stop"
+                continue
+            if reason is not None:
                 continue
             if not matcher.accept_token(token) or matcher.is_terminated() or self._done(matcher):
                 self.scheduler.finish_request(rid, _stopped())

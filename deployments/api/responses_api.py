@@ -256,17 +256,20 @@ class ResponseBuilder:
         for call in message.get("tool_calls") or []:
             f = call["function"]
             self.output.append(self._call(call["id"], f["name"], f["arguments"], "completed"))
-        return self.response(_status(finish), finish)
+        status = _status(finish)
+        if status == "incomplete":  # the item it was writing when cut short
+            self.output[-1]["status"] = status
+        return self.response(status, finish)
 
     @staticmethod
     def _message(text: str, status: str) -> dict:
         part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
         return {"type": "message", "id": _item_id("msg"), "status": status, "role": "assistant",
-                "content": [part] if status == "completed" else []}  # fmt: skip
+                "content": [] if status == "in_progress" else [part]}  # fmt: skip
 
     @staticmethod
     def _reasoning(text: str, status: str) -> dict:
-        content = [{"type": "reasoning_text", "text": text}] if status == "completed" else []
+        content = [] if status == "in_progress" else [{"type": "reasoning_text", "text": text}]
         return {"type": "reasoning", "id": _item_id("rs"), "summary": [], "content": content,
                 "status": status}  # fmt: skip
 
@@ -313,9 +316,9 @@ class ResponseBuilder:
                     finish = choice["finish_reason"]
         finally:  # (a client that left: the run's stream closes now, not when collected)
             await choices.aclose()
-        for e in self._close():
-            yield e
         status = _status(finish)
+        for e in self._close(status):  # the item it was writing when cut short
+            yield e
         kind = "response.completed" if status == "completed" else "response.incomplete"
         yield self._event(kind, response=self.response(status, finish))
 
@@ -364,8 +367,8 @@ class ResponseBuilder:
     def _added(self) -> str:
         return self._event("response.output_item.added", output_index=self._index(), item=self.open)
 
-    def _close(self) -> list[str]:
-        """The done events of the open item, which joins the output."""
+    def _close(self, status: str = "completed") -> list[str]:
+        """The done events of the open item, which joins the output with `status`."""
         item, self.open = self.open, None
         if item is None:
             return []
@@ -385,7 +388,7 @@ class ResponseBuilder:
         else:
             out.append(self._event("response.function_call_arguments.done", **ids,
                                    arguments=item["arguments"]))  # fmt: skip
-        item["status"] = "completed"
+        item["status"] = status
         self.output.append(item)
         out.append(self._event("response.output_item.done", output_index=index, item=item))
         return out

@@ -264,7 +264,10 @@ class ToolCallStream:
                 )  # fmt: skip
             rest = self.text[self.head + len(self.arguments) :]
             if self.plan.named is None:  # the wrapper's closing "}" is not the arguments'
-                rest = rest.rstrip()[:-1] if reason is not None else rest[:-1]
+                if reason is None:
+                    rest = rest[:-1]  # (held: it may be that "}")
+                elif _is_json(self.text):  # the wrapper closed
+                    rest = rest.rstrip()[:-1]
             if rest:
                 self.arguments += rest
                 items.append({"index": 0, "function": {"arguments": rest}})
@@ -274,27 +277,30 @@ class ToolCallStream:
         return ({"tool_calls": items} if items else {}), finish, records or []
 
     def _finish_reason(self, reason: str) -> str:
-        if reason == "length":
-            return "length"
+        if reason in ("length", "timeout"):  # cut short: the call so far, as OpenAI sends it
+            return reason
         return "tool_calls" if reason == "stop" and self.complete() else "stop"
 
     def complete(self) -> bool:
-        if self.name is None:
-            return False
-        try:
-            json.loads(self.arguments)
-        except ValueError:
-            return False
-        return True
+        return self.name is not None and _is_json(self.arguments)
 
     def message(self, text: str, reason: str | None) -> tuple[dict, str | None]:
-        """The whole reply's message and finish_reason."""
+        """The whole reply's message and finish_reason: what the streamed deltas add up to (the
+        call, whole or cut short, once its name is known; plain content before that)."""
         _, finish, _ = self.delta(text, reason)
-        if finish != "tool_calls":
+        if not self.started:
             return {"role": "assistant", "content": self.text}, finish
         call = {"id": self.id, "type": "function",
                 "function": {"name": self.name, "arguments": self.arguments}}  # fmt: skip
         return {"role": "assistant", "content": None, "tool_calls": [call]}, finish
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 def tool_stream(plan: ToolPlan | AutoToolPlan) -> ToolCallStream | AutoToolCalls:

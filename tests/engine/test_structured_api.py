@@ -270,3 +270,34 @@ def test_tool_call_stream_splits_the_same_way_whatever_the_pieces(pieces):
         {"role": "assistant", "content": '{"name": "a'},
         "length",
     )
+
+
+@pytest.mark.parametrize(
+    "plan, text, reason, arguments",
+    [
+        (("get_weather",), '{"city": "Pa', "length", '{"city": "Pa'),
+        (None, '{"name": "get_weather", "arguments": {"city": "Pa', "length", '{"city": "Pa'),
+        (None, '{"name": "get_weather", "arguments": {"city": "P"}', "length", '{"city": "P"}'),
+        (None, '{"name": "get_weather", "arguments": {"city": "P"} ', "timeout", '{"city": "P"} '),
+    ],
+)
+def test_a_call_cut_short_is_the_call_so_far_whole_and_streamed(plan, text, reason, arguments):
+    # As OpenAI returns a call that max_tokens cut: tool_calls with the arguments written so
+    # far, finish_reason "length" (or fairbatch's "timeout"), the same whole and streamed.
+    from fairbatch.deployments.api.structured import ToolCallStream, ToolPlan
+
+    plan = ToolPlan(("get_weather", "get_time"), plan[0] if plan else None)
+    message, finish = ToolCallStream(plan).message(text, reason)
+    assert (finish, message["content"]) == (reason, None)
+    (call,) = message["tool_calls"]
+    assert (call["function"]["name"], call["function"]["arguments"]) == ("get_weather", arguments)
+    for pieces in (1, 4, 1000):
+        stream, chunks = (
+            ToolCallStream(plan),
+            [text[i : i + pieces] for i in range(0, len(text), pieces)],
+        )
+        deltas = [stream.delta(c, None)[0] for c in chunks[:-1]]
+        last, got, _ = stream.delta(chunks[-1], reason)
+        items = [it for d in [*deltas, last] for it in d.get("tool_calls", [])]
+        assert got == reason and items[0]["function"]["name"] == "get_weather"
+        assert "".join(it["function"]["arguments"] for it in items) == arguments

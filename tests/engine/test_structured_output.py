@@ -5,6 +5,7 @@ as undisturbed, greedy and seeded)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pickle
 import threading
@@ -170,6 +171,27 @@ def test_the_request_ends_when_the_grammar_allows_nothing_more(llm):
     assert out.finish_reason == "stop" and out.text.endswith("}")
     assert json.loads(out.text) == json.loads(out.text.strip())
     assert llm.tokenizer.decode(out.token_ids) == out.text  # no token past the object
+
+
+def test_a_grammar_completed_by_the_last_allowed_token_is_a_stop(llm):
+    # Each output that stopped, run again with max_tokens = its length: the same tokens, and
+    # still "stop" (its JSON is complete), not "length"; one token fewer is cut short.
+    jobs = [(schema, params(schema, seed=k, temperature=1.0)) for k, schema in enumerate(SCHEMAS)]
+    outs = llm.generate(["Answer in JSON:"] * len(jobs), [p for _, p in jobs], use_tqdm=False)
+    again, short = [], []
+    for (_, p), out in zip(jobs, outs):
+        if out.finish_reason == "stop" and len(out.token_ids) > 1:
+            n = len(out.token_ids)
+            again.append((out, dataclasses.replace(p, max_tokens=n)))
+            short.append((out, dataclasses.replace(p, max_tokens=n - 1)))
+    eos = set(llm.engine.eos_token_ids)
+    assert sum(out.token_ids[-1] not in eos for out, _ in again) >= 5  # ended by the grammar
+    rerun = llm.generate(["Answer in JSON:"] * len(again), [p for _, p in again], use_tqdm=False)
+    for (out, _), got in zip(again, rerun):
+        assert (got.token_ids, got.finish_reason) == (out.token_ids, "stop")
+    cut = llm.generate(["Answer in JSON:"] * len(short), [p for _, p in short], use_tqdm=False)
+    for (out, _), got in zip(short, cut):
+        assert (got.token_ids, got.finish_reason) == (out.token_ids[:-1], "length")
 
 
 def test_n_samples_each_follow_the_grammar(llm):
