@@ -423,7 +423,9 @@ class LogprobFormatter:
 
     def completion(self, records: list[Any], top_n: int, offset: int) -> dict:
         """Records may hold a None log-prob (an echoed prompt's first token, which has no
-        context): its `token_logprobs` and `top_logprobs` entries are null, as OpenAI's."""
+        context): its `token_logprobs` and `top_logprobs` entries are null, as OpenAI's.
+        `text_offset` indexes the choice's text: a special token the text leaves out (an echoed
+        prompt's BOS) is listed at the offset of what follows it and takes no room."""
         tokens, token_lps, tops, offsets = [], [], [], []
         for rec in records:
             (tid, lp), top = rec[0], rec[1 : 1 + top_n]
@@ -433,7 +435,7 @@ class LogprobFormatter:
             scored = top_n and lp is not None
             tops.append({self.token(i): _finite(v) for i, v in top} if scored else None)
             offsets.append(offset)
-            offset += len(tok)
+            offset += len(tok) if self.tokenizer is None else len(self.tokenizer.decode([tid]))
         return {
             "tokens": tokens,
             "token_logprobs": token_lps,
