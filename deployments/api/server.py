@@ -212,6 +212,16 @@ class _Api:
         (`fork_of`: they share its prompt's KV blocks) and are not charged the prompt again.
         Returns (ticket, stream, first delta, job, sample), job by job, sample by sample."""
         plan = [(j, i) for j, (_, params) in enumerate(jobs) for i in range(params.n)]
+        bound = self.registry.max_in_flight(tenant)
+        if len(plan) > bound:  # could never be admitted: no point in retrying
+            n = jobs[0][1].n
+            raise bad_request(
+                f"this request needs {len(plan)} requests in flight at once ({len(jobs)} "
+                f"prompt(s) x n={n}), more than tenant {tenant.name!r} may have ({bound}); "
+                "send fewer prompts or a smaller n",
+                "n" if n > 1 else "prompt",
+                "too_many_requests_in_one",
+            )
         tickets: dict[tuple[int, int], Admission] = {}
         try:
             for j, i in plan:

@@ -215,6 +215,11 @@ class TenantRegistry:
 
     # ---- admission ------------------------------------------------------------------------
 
+    def max_in_flight(self, tenant: TenantState) -> int:
+        """The most requests `tenant` may have in flight at once (each prompt x sample is one)."""
+        bound = tenant.max_requests or self.limits.max_requests_per_tenant
+        return min(bound, self.limits.max_requests_total)
+
     def admit(
         self, tenant: TenantState, request_id: str, prompt_tokens: int, created: int
     ) -> Admission:
@@ -232,7 +237,7 @@ class TenantRegistry:
                     f"tokens per minute; retry in {wait} s",
                     wait,
                 )
-        bound = tenant.max_requests or self.limits.max_requests_per_tenant
+        bound = self.max_in_flight(tenant)
         if tenant.in_flight >= bound:
             self._reject(tenant)
             raise Rejected(

@@ -92,6 +92,33 @@ def test_more_prompts_than_the_limit_is_a_400_naming_it(served):
     assert r.status_code == 400 and "max_prompts_per_request" in r.json()["error"]["message"]
 
 
+def test_a_request_needing_more_slots_than_its_tenant_may_hold_is_a_400_not_a_429():
+    # prompts x n requests go in flight at once; more than the tenant's bound could never be
+    # admitted, so it is no 429 (which says: retry), even on an idle server
+    from chat_fixtures import ScriptedReply
+
+    loop = ServerLoop()
+    config = {"tenants": [{"name": "t", "api_key": KEY, "max_requests": 4}]}
+    url = loop.serve(create_app(ScriptedReply("ok"), config))
+    auth = {"Authorization": f"Bearer {KEY}"}
+    try:
+        for path, body, param in [
+            ("completions", {"prompt": ["a", "b"], "n": 3}, "n"),
+            ("completions", {"prompt": ["a"] * 5}, "prompt"),
+            ("chat/completions", {"messages": [{"role": "user", "content": "a"}], "n": 5}, "n"),
+        ]:
+            r = httpx.post(f"{url}/v1/{path}", json={"model": MODEL, **body}, headers=auth)
+            err = r.json()["error"]
+            assert r.status_code == 400 and "retry-after" not in r.headers, r.text
+            assert (err["param"], err["code"]) == (param, "too_many_requests_in_one")
+            assert "(4)" in err["message"]
+        body = {"model": MODEL, "prompt": ["a", "b"], "n": 2}  # 4: at the bound, admitted
+        r = httpx.post(f"{url}/v1/completions", json=body, headers=auth)
+        assert r.status_code == 200 and len(r.json()["choices"]) == 4
+    finally:
+        loop.close()
+
+
 def test_echo_with_logprobs_returns_the_prompt_and_its_logprobs(served, ref):
     c, _, _ = served
     prompt = "Paged attention keeps the cache in blocks"
