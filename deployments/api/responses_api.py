@@ -195,7 +195,7 @@ class ResponseBuilder:
     def __init__(self, request: ResponsesRequest, run: Any) -> None:
         self.request = request
         self.run = run
-        self.id = "resp_" + run.ticket.request_id.split("-", 1)[-1]
+        self.id = run.ticket.request_id  # "resp_...": GET/DELETE /v1/requests/{id} find it
         self.seq = 0
         self.output: list[dict[str, Any]] = []  # the items done so far
         self.open: dict[str, Any] | None = None  # the item being streamed

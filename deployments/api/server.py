@@ -191,7 +191,7 @@ class _Api:
     # -- running a request ---------------------------------------------------------------------
 
     def admit(self, tenant: TenantState, prefix: str, n_prompt: int) -> Admission:
-        rid = f"{prefix}-{secrets.token_urlsafe(18)}"
+        rid = prefix + secrets.token_urlsafe(18)  # "cmpl-...": the id the reply carries
         try:
             return self.registry.admit(tenant, rid, n_prompt, S.now())
         except Rejected as r:
@@ -444,7 +444,7 @@ def create_app(
             )
             params = with_grammar(params, grammar)
             jobs.append((prompt if isinstance(prompt, str) else None, ids, params))
-        started = await api.launch(request, tenant, "cmpl", [(ids, p) for _, ids, p in jobs])
+        started = await api.launch(request, tenant, "cmpl-", [(ids, p) for _, ids, p in jobs])
         runs = []
         for ticket, it, first, job, sample in started:
             text, ids, params = jobs[job]
@@ -469,9 +469,10 @@ def create_app(
         return await complete_runs(request, runs)
 
     async def chat_runs(
-        request: Request, tenant: TenantState, body: S.ChatCompletionRequest
+        request: Request, tenant: TenantState, body: S.ChatCompletionRequest, prefix="chatcmpl-"
     ) -> list[ResponseRun]:
-        """A validated chat body admitted and started: one run per sample."""
+        """A validated chat body admitted and started: one run per sample, its request ids
+        starting with `prefix`."""
         api.check_model(body.model)
         body.check_unsupported()
         body.check_stream_options()
@@ -495,7 +496,7 @@ def create_app(
         cfg = api.config
         plan = await chat_plan(body, cfg.tool_call_parser, cfg.reasoning_parser)
         params = with_plan(params, plan)
-        launched = await api.launch(request, tenant, "chatcmpl", [(ids, params)])
+        launched = await api.launch(request, tenant, prefix, [(ids, params)])
         return [
             ResponseRun(
                 api,
@@ -526,7 +527,7 @@ def create_app(
         data = await read_json(request, api.limits.max_body_bytes)
         body = validate(ResponsesRequest, data)
         chat = validate(S.ChatCompletionRequest, body.chat_body())
-        (run,) = await chat_runs(request, tenant, chat)
+        (run,) = await chat_runs(request, tenant, chat, prefix="resp_")  # the response's id
         reply = ResponseBuilder(body, run)
         if body.stream:
             return SSEResponse(reply.events(), run.close)

@@ -357,3 +357,44 @@ def test_langchain_over_the_responses_api_a_call_and_its_result():
         assert "It is 21 C." in app.backend.tokenizer.decode(app.backend.prompts[-1])
     finally:
         app.close()
+
+
+class Endless(ScriptedReply):
+    """Writes its reply again and again until the request is aborted."""
+
+    aborted: set = set()
+
+    async def generate(self, prompt_token_ids, params, *, request_id, **kw):
+        import asyncio
+
+        from fairbatch.deployments.cluster.wire import StreamItem
+
+        while request_id not in self.aborted:
+            yield StreamItem([1], self.reply, False, None)
+            await asyncio.sleep(0.01)
+        yield StreamItem([], "", True, "abort")
+
+    async def abort(self, request_id: str) -> bool:
+        self.aborted.add(request_id)
+        return True
+
+
+def test_a_response_in_progress_is_found_and_cancelled_by_its_id():
+    app = Scripted("more ")
+    app.backend.__class__ = Endless
+    auth = {"Authorization": f"Bearer {KEY}"}
+    try:
+        with app.client.responses.stream(model=MODEL, input="hi") as stream:
+            events = iter(stream)
+            rid = next(events).response.id  # response.created
+            assert rid.startswith("resp_")
+            got = httpx.get(f"{app.url}/v1/requests/{rid}", headers=auth)
+            assert got.status_code == 200 and got.json()["id"] == rid, got.text
+            assert got.json()["status"] == "running"
+            cancel = httpx.delete(f"{app.url}/v1/requests/{rid}", headers=auth)
+            assert cancel.status_code == 200 and cancel.json()["cancelled"] is True
+            kinds = [e.type for e in events]
+        assert kinds[-1] == "response.failed"  # the cancelled request's stream ends
+        assert httpx.get(f"{app.url}/v1/requests/{rid}", headers=auth).status_code == 404
+    finally:
+        app.close()
