@@ -172,6 +172,9 @@ def run(args: argparse.Namespace) -> int:
     code = 0
     try:
         ctx = ray.init(**init)
+        # ray.init puts its own SIGTERM handler in (a stack dump, then abort: exit 134); ours
+        # goes back, so SIGTERM (`kill`, systemd, docker stop) shuts down as Ctrl-C does.
+        signal.signal(signal.SIGTERM, _raise_stop)
         # Direct ingress: the ingress replica takes --port itself. Ray 2.60 still starts an
         # (idle) proxy; it gets a spare port.
         proxy_port = args.port if args.proxy else _spare_port(args.host)

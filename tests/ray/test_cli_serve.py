@@ -1,4 +1,5 @@
-"""`fairbatch serve` as a user runs it: a subprocess, /health, one completion, Ctrl-C, exit 0."""
+"""`fairbatch serve` as a user runs it: a subprocess, /health, one completion, then Ctrl-C
+(SIGINT) or SIGTERM (`kill`, systemd, `docker stop`): a clean stop, exit 0."""
 
 from __future__ import annotations
 
@@ -21,15 +22,16 @@ START_TIMEOUT_S = 240
 STOP_TIMEOUT_S = 90
 
 
-def test_fairbatch_serve_starts_answers_and_stops_on_ctrl_c():
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl_c", "sigterm"])
+def test_fairbatch_serve_starts_answers_and_stops_cleanly(stop):
     tmp = tempfile.mkdtemp(prefix="fbcli-", dir="/tmp")  # short: Ray's socket paths are capped
     try:
-        run_cli(Path(tmp))
+        run_cli(Path(tmp), stop)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def run_cli(tmp_path: Path) -> None:
+def run_cli(tmp_path: Path, stop: int) -> None:
     port = free_port()
     env = dict(os.environ)  # conftest: RAY_AUTH_MODE=disabled, usage stats off, private tmp
     env.setdefault("RAY_agent_register_timeout_ms", "120000")
@@ -65,9 +67,9 @@ def run_cli(tmp_path: Path) -> None:
         nice = {name: n for name, n in _session_niceness(proc.pid).items() if name in APP_ROLES}
         assert set(nice) == set(APP_ROLES) and set(nice.values()) == {os.getpriority(
             os.PRIO_PROCESS, proc.pid)}, nice  # fmt: skip
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(stop)
         assert proc.wait(timeout=STOP_TIMEOUT_S) == 0, _read(log)
-        assert "stopped." in _read(log)
+        assert "stopping fairbatch..." in _read(log) and "stopped." in _read(log)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
