@@ -70,7 +70,9 @@ class ResponsesRequest(S._Body):
         if self.include:
             raise bad_request("include is not supported", "include")
         if self.stream_options is not None and not self.stream:
-            raise bad_request("stream_options is only allowed when stream is true", "stream")
+            raise bad_request(
+                "stream_options is only allowed when stream is true", "stream_options"
+            )
         body: dict[str, Any] = {"model": self.model, "messages": self.messages()}
         fields = ("temperature", "top_p", "stream", "parallel_tool_calls", "user", "ignore_eos",
                   "timeout", "max_queue_time_s")  # fmt: skip

@@ -1,8 +1,8 @@
 """OpenAI request bodies (validated) and response bodies (built), for the ingress.
 
 Requests are pydantic models in strict mode: `"temperature": "0.5"` or `"max_tokens": true` is a
-400, not a silent coercion; non-finite floats are refused; unknown fields are ignored (newer
-clients send more than we know). Fields that take several shapes (`prompt`, `stop`, message
+400, not a silent coercion; non-finite floats are refused; an unknown field is a 400 naming it
+(never silently ignored). Fields that take several shapes (`prompt`, `stop`, message
 `content`) are checked by hand so their errors read plainly.
 
 Extensions beyond OpenAI, as vLLM names them: `top_k`, `min_p`, `repetition_penalty`,
@@ -132,7 +132,9 @@ class _SamplingFields(_Body):
 
     def check_stream_options(self) -> None:
         if self.stream_options is not None and not self.stream:
-            raise bad_request("stream_options is only allowed when stream is true", "stream")
+            raise bad_request(
+                "stream_options is only allowed when stream is true", "stream_options"
+            )
 
     def sampling_params(
         self,
@@ -295,6 +297,13 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Any = None  # "none" | "auto" | "required" | {"type": "function", ...}
     parallel_tool_calls: bool | None = None  # false: "auto" returns one call (forced: one)
     response_format: dict[str, Any] | None = None
+    # Accepted with nothing to do, as on /v1/responses: nothing is stored, prompts are
+    # prefix-cached by their tenant's salt, there is one service tier.
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    prompt_cache_key: str | None = None
+    service_tier: Literal["auto", "default"] | None = None
+    safety_identifier: str | None = None
 
     def check_unsupported(self) -> None:
         if self.top_logprobs is not None and not self.logprobs:

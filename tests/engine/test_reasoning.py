@@ -219,3 +219,17 @@ def test_the_config_takes_the_parser_and_refuses_others():
     assert parse_config({"reasoning_parser": "deepseek_r1"}).reasoning_parser == "deepseek_r1"
     with pytest.raises(ConfigError, match="reasoning_parser"):
         parse_config({"reasoning_parser": "qwen3"})
+
+
+def test_chat_accepts_the_fields_it_has_nothing_to_do_for(client):
+    # as /v1/responses does: nothing is stored, one service tier, the tenant's cache salt
+    kw = dict(model=MODEL, messages=QUESTION, store=True, metadata={"run": "7"})
+    kw.update(service_tier="auto", prompt_cache_key="k1", safety_identifier="u1")
+    assert client.chat.completions.create(**kw).choices[0].message.content == "\n\nIt is 4."
+    for bad, param in [
+        ({"service_tier": "flex"}, "service_tier"),
+        ({"metadata": {"a": 1}}, "metadata.a"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=QUESTION, extra_body=bad)
+        assert e.value.body["param"] == param

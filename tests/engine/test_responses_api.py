@@ -274,7 +274,7 @@ def test_a_reasoning_parsers_thinking_comes_back_as_a_reasoning_item():
         ({"include": ["reasoning.encrypted_content"]}, "include"),
         ({"truncation": "auto"}, "truncation"),
         ({"background": True}, "background"),
-        ({"stream_options": {"include_obfuscation": False}}, "stream"),  # without stream
+        ({"stream_options": {"include_obfuscation": False}}, "stream_options"),  # without stream
         ({"frobnicate": 1}, "frobnicate"),
     ],
 )
