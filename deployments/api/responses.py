@@ -215,7 +215,9 @@ class ResponseRun:
                     lps = [*prompt_records, *(lps or [])]
                 first = False
                 if text or lps or reason is not None:
-                    yield self.choice(text, lps, reason)
+                    choice = self.choice(text, lps, reason)
+                    if choice.get("delta", True) or choice["finish_reason"] or choice["logprobs"]:
+                        yield choice  # (not a chunk with nothing in it: text the output holds)
                 if d.finished:
                     self.outcome = "ok"
                     return

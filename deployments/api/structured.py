@@ -270,7 +270,10 @@ class ToolCallStream:
                     rest = rest.rstrip()[:-1]
             if rest:
                 self.arguments += rest
-                items.append({"index": 0, "function": {"arguments": rest}})
+                if items:  # the call's first item carries its first arguments too
+                    items[0]["function"]["arguments"] = rest
+                else:
+                    items.append({"index": 0, "function": {"arguments": rest}})
         finish = None if reason is None else self._finish_reason(reason)
         if finish is not None and not self.started:  # no call came out of it: plain text
             return ({"content": self.text} if self.text else {}), finish, records or []

@@ -130,6 +130,11 @@ def test_a_named_tool_call_is_returned_as_tool_calls(served, ref):
             items.extend(chc.delta.tool_calls or [])
             reasons.append(chc.finish_reason)
             assert not chc.delta.content
+            # every chunk carries something (none for text the call's head still holds), and
+            # the call's first item carries its first arguments: one entry per chunk
+            delta = chc.delta.model_dump(exclude_none=True)
+            assert delta or chc.finish_reason, chunk
+            assert len(chc.delta.tool_calls or [None]) == 1, chunk
     assert items[0].id and items[0].function.name == "get_weather" and items[0].index == 0
     assert all(it.index == 0 and it.id is None for it in items[1:]) and len(items) > 2
     assert "".join(it.function.arguments or "" for it in items) == want.text
@@ -144,10 +149,13 @@ def test_required_picks_one_of_the_tools(served):
         kw.update(tools=[WEATHER, TIME], tool_choice="required")
         out = c.chat.completions.create(**kw)
         ch = out.choices[0]
-        streamed = c.chat.completions.create(**kw, stream=True)
+        streamed = list(c.chat.completions.create(**kw, stream=True))
         items = [
             it for chunk in streamed for chc in chunk.choices for it in chc.delta.tool_calls or []
         ]
+        for chunk in streamed:  # none empty (while the head `{"name": ...` is held)
+            for chc in chunk.choices:
+                assert chc.delta.model_dump(exclude_none=True) or chc.finish_reason, chunk
         if ch.finish_reason != "tool_calls":
             assert ch.finish_reason == "length"
             continue
