@@ -22,7 +22,7 @@ import secrets
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, PrivateAttr
 
 from fairbatch.deployments.api import schemas as S
 from fairbatch.deployments.api.schemas import ApiError, bad_request
@@ -60,6 +60,9 @@ class ResponsesRequest(S._Body):
     timeout: float | None = Field(default=None, gt=0, le=MAX_DEADLINE_S)
     max_queue_time_s: float | None = Field(default=None, gt=0, le=MAX_DEADLINE_S)
 
+    # per chat message: the field it came from, and the input item of each of its tool calls
+    _sources: list[tuple[str, list[str]]] = PrivateAttr(default_factory=list)
+
     def chat_body(self) -> dict[str, Any]:
         """The Chat Completions body this request asks for."""
         if self.previous_response_id is not None:
@@ -92,12 +95,16 @@ class ResponsesRequest(S._Body):
         return body
 
     def messages(self) -> list[dict[str, Any]]:
-        """`instructions` and `input` as chat messages."""
+        """`instructions` and `input` as chat messages; `_sources` says where each came from,
+        for `param_of`."""
         out: list[dict[str, Any]] = []
+        self._sources = []
         if self.instructions is not None:
             out.append({"role": "system", "content": self.instructions})
+            self._sources.append(("instructions", []))
         if isinstance(self.input, str):
             out.append({"role": "user", "content": self.input})
+            self._sources.append(("input", []))
             return out
         if not isinstance(self.input, list) or not self.input:
             raise bad_request("input must be a string or a non-empty list of items", "input")
@@ -111,6 +118,7 @@ class ResponsesRequest(S._Body):
                 if role not in ("user", "system", "developer", "assistant"):
                     raise bad_request(f"unknown role {role!r}", f"{param}.role")
                 out.append({"role": role, "content": _text(item.get("content"), param)})
+                self._sources.append((param, []))
             elif kind == "function_call":
                 call = {"id": _str(item, "call_id", param), "type": "function",
                         "function": {"name": _str(item, "name", param),
@@ -120,6 +128,8 @@ class ResponsesRequest(S._Body):
                     last.setdefault("tool_calls", []).append(call)  # calls made together
                 else:
                     out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                    self._sources.append((param, []))
+                self._sources[-1][1].append(param)
             elif kind == "function_call_output":
                 output = item.get("output")
                 if isinstance(output, list):
@@ -128,11 +138,39 @@ class ResponsesRequest(S._Body):
                     raise bad_request("output must be a string", f"{param}.output")
                 tool_call_id = _str(item, "call_id", param)
                 out.append({"role": "tool", "tool_call_id": tool_call_id, "content": output})
+                self._sources.append((param, []))
             elif kind == "reasoning":
                 continue  # earlier thinking: reasoning models are prompted without it
             else:
                 raise bad_request(f"input items of type {kind!r} are not supported", param)
         return out
+
+    def param_of(self, param: str | None) -> str | None:
+        """The field of this request that the chat request's `param` was made from."""
+        if param is None:
+            return None
+        head, _, rest = param.partition(".")
+        if head == "messages" and rest:
+            index, _, rest = rest.partition(".")
+            if not index.isdigit() or int(index) >= len(self._sources):
+                return "input"
+            field, calls = self._sources[int(index)]
+            if rest.startswith("tool_calls."):  # tool_calls.K.function.arguments
+                k, _, tail = rest[len("tool_calls.") :].partition(".")
+                if k.isdigit() and int(k) < len(calls):
+                    return ".".join(filter(None, (calls[int(k)], tail.rpartition(".")[2])))
+            if field.startswith("input.") and rest.split(".")[0] in ("content", "role"):
+                return f"{field}.{rest.split('.')[0]}"
+            return field
+        if head in ("max_tokens", "max_completion_tokens"):
+            return "max_output_tokens"
+        if head in ("prompt", "messages"):
+            return "input"
+        if head == "response_format":
+            return "text.format"
+        if head == "tools":  # tools.I.function.X: the Responses tool is flat
+            return param.replace(".function", "", 1)
+        return param
 
     def response_format(self) -> dict[str, Any] | None:
         fmt = (self.text or {}).get("format")

@@ -526,8 +526,12 @@ def create_app(
         api.ready()
         data = await read_json(request, api.limits.max_body_bytes)
         body = validate(ResponsesRequest, data)
-        chat = validate(S.ChatCompletionRequest, body.chat_body())
-        (run,) = await chat_runs(request, tenant, chat, prefix="resp_")  # the response's id
+        try:
+            chat = validate(S.ChatCompletionRequest, body.chat_body())
+            (run,) = await chat_runs(request, tenant, chat, prefix="resp_")  # the response's id
+        except ApiError as e:  # named by this request's fields, not the chat request's
+            e.param = body.param_of(e.param)
+            raise
         reply = ResponseBuilder(body, run)
         if body.stream:
             return SSEResponse(reply.events(), run.close)

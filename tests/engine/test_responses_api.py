@@ -276,6 +276,31 @@ def test_a_reasoning_parsers_thinking_comes_back_as_a_reasoning_item():
         ({"background": True}, "background"),
         ({"stream_options": {"include_obfuscation": False}}, "stream_options"),  # without stream
         ({"frobnicate": 1}, "frobnicate"),
+        # found by the chat request it is served as, and named by this request's own fields
+        (
+            {
+                "input": [
+                    {"role": "user", "content": "hi"},
+                    {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+                    {"type": "function_call", "call_id": "c2", "name": "f", "arguments": "[1]"},
+                ]
+            },
+            "input.2.arguments",
+        ),
+        (
+            {
+                "instructions": "x",
+                "input": [{"role": "assistant", "content": [{"type": "output_text", "text": 7}]}],
+            },
+            "input.0.content",
+        ),
+        ({"input": "word " * 5000}, "input"),  # over the context
+        ({"max_output_tokens": 4096}, "max_output_tokens"),  # with the prompt, over it
+        ({"tools": [{"type": "function", "name": "f", "parameters": 3}]}, "tools"),
+        (
+            {"text": {"format": {"type": "json_schema", "name": "r", "schema": {"type": "no"}}}},
+            "text.format",
+        ),
     ],
 )
 def test_bad_input_is_a_400_naming_its_field(change, param):
