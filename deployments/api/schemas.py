@@ -444,7 +444,10 @@ class LogprobFormatter:
             scored = top_n and lp is not None
             tops.append({self.token(i): _finite(v) for i, v in top} if scored else None)
             offsets.append(offset)
-            offset += len(tok) if self.tokenizer is None else len(self.tokenizer.decode([tid]))
+            if self.tokenizer is None:
+                offset += len(tok)
+            else:  # the token's text as the choice's text has it
+                offset += len(self.tokenizer.decode([tid], skip_special_tokens=True))
         return {
             "tokens": tokens,
             "token_logprobs": token_lps,
