@@ -113,7 +113,7 @@ def _functions(tools: list[Any]) -> dict[str, dict]:
     """{name: parameters schema} of the request's tools, checked."""
     out: dict[str, dict] = {}
     for i, tool in enumerate(tools):
-        param = "tools"  # (the message names the tool's index)
+        param = f"tools.{i}"
         fn = tool.get("function") if isinstance(tool, dict) else None
         if not (isinstance(tool, dict) and tool.get("type") == "function" and isinstance(fn, dict)):
             raise bad_request(
@@ -121,12 +121,18 @@ def _functions(tools: list[Any]) -> dict[str, dict]:
             )
         name = fn.get("name")
         if not (isinstance(name, str) and _NAME.match(name)):
-            raise bad_request(f"tools[{i}].function.name must match ^[a-zA-Z0-9_-]{{1,64}}$", param)
+            raise bad_request(
+                f"tools[{i}].function.name must match ^[a-zA-Z0-9_-]{{1,64}}$",
+                f"{param}.function.name",
+            )
         if name in out:
-            raise bad_request(f"two tools are named {name!r}", param)
+            raise bad_request(f"two tools are named {name!r}", f"{param}.function.name")
         parameters = fn.get("parameters", _NO_PARAMETERS)
         if not isinstance(parameters, dict):
-            raise bad_request(f"tools[{i}].function.parameters must be a JSON schema", param)
+            raise bad_request(
+                f"tools[{i}].function.parameters must be a JSON schema",
+                f"{param}.function.parameters",
+            )
         out[name] = parameters
     return out
 

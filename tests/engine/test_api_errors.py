@@ -179,7 +179,7 @@ BAD_BODIES = [
     ("bias-key", "completions", comp(logit_bias={"x": 1}), 400, "logit_bias"),
     ("bias-oov", "completions", comp(logit_bias={"99999999": 1}), 400, "logit_bias"),
     ("bias-type", "completions", comp(logit_bias={"1": "a"}), 400, "logit_bias.1"),
-    ("tools", "chat/completions", chat(tools=[{"type": "function"}]), 400, "tools"),
+    ("tools", "chat/completions", chat(tools=[{"type": "function"}]), 400, "tools.0"),
 ]
 
 

@@ -296,7 +296,7 @@ def test_a_reasoning_parsers_thinking_comes_back_as_a_reasoning_item():
         ),
         ({"input": "word " * 5000}, "input"),  # over the context
         ({"max_output_tokens": 4096}, "max_output_tokens"),  # with the prompt, over it
-        ({"tools": [{"type": "function", "name": "f", "parameters": 3}]}, "tools"),
+        ({"tools": [{"type": "function", "name": "f", "parameters": 3}]}, "tools.0.parameters"),
         (
             {"text": {"format": {"type": "json_schema", "name": "r", "schema": {"type": "no"}}}},
             "text.format",
