@@ -37,7 +37,7 @@ from fairbatch.engine.tokenizer import Tokenizer  # noqa: E402
 # A loaded 2-core box can take longer than Ray's 30 s to start the metrics agent.
 os.environ.setdefault("RAY_agent_register_timeout_ms", "120000")
 REPO = Path(__file__).resolve().parents[2]
-KEYS = {"a": "sk-a", "b": "sk-b", "c": "sk-c", "q": "sk-q", "d": "sk-d"}
+KEYS = {"a": "sk-a", "b": "sk-b", "c": "sk-c", "q": "sk-q", "d": "sk-d", "h": "sk-h"}
 WEIGHTS = {"a": 1.0, "b": 2.0, "c": 4.0}
 ADMIN = "sk-admin"
 MODEL = "fairbatch-tiny"
@@ -67,6 +67,7 @@ def app_args() -> dict:
             *({"name": n, "api_key": KEYS[n], "weight": w} for n, w in WEIGHTS.items()),
             {"name": "q", "api_key": KEYS["q"], "tokens_per_minute": 30},
             {"name": "d", "api_key": KEYS["d"]},
+            {"name": "h", "api_key": KEYS["h"]},
         ],
     )
     args.pop("admin_api_key_sha256", None)
@@ -462,6 +463,24 @@ def test_disconnect_frees_kv_blocks(served):
         stats = ray.get(h.stats.remote(), timeout=30)
         decode += stats["tokens"].get("d", (0, 0))[1]
     print(f"disconnect: {decode} of {max_tokens} tokens decoded")
+    assert 3 <= decode < max_tokens
+
+
+def test_a_handle_stream_its_caller_cancels_is_aborted(served):
+    # Ray Serve cancels a handle stream on `cancel()` (not when its caller merely stops
+    # reading): the request must then be aborted, not run to max_tokens.
+    max_tokens = 480
+    req = {"prompt": "another long story", "tenant": "h", "max_tokens": max_tokens,
+           "ignore_eos": True}  # fmt: skip
+    gen = serve.get_app_handle("fairbatch").options(stream=True).generate.remote(req)
+    got = [next(gen) for _ in range(3)]
+    assert all(not c["finished"] for c in got)
+    gen.cancel()
+    wait_pools_free()
+    decode = 0
+    for h in replicas().values():
+        decode += ray.get(h.stats.remote(), timeout=30)["tokens"].get("h", (0, 0))[1]
+    print(f"handle cancel: {decode} of {max_tokens} tokens decoded")
     assert 3 <= decode < max_tokens
 
 
