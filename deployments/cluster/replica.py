@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -82,6 +83,26 @@ class ReplicaConfig:
     engine_thread_niceness: int | None = None
 
     def __post_init__(self) -> None:
+        """Bad values fail here, where a config is read, not in a replica starting later."""
+        at_least = {"num_gpu_blocks": 1, "num_cpu_blocks": 0, "block_size": 1,
+                    "max_num_seqs": 1, "max_num_batched_tokens": 1, "max_model_len": 1,
+                    "torch_threads": 1}  # fmt: skip
+        for name, low in at_least.items():
+            if getattr(self, name) < low:
+                raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")
+        for name in ("report_interval_s", "heartbeat_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not self.time_scale >= 0:
+            raise ValueError(f"time_scale must be >= 0, got {self.time_scale}")
+        device = self.device
+        if not (device in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", device)):
+            raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+        if self.preemption_mode not in ("auto", "swap", "recompute"):
+            raise ValueError(
+                f"preemption_mode must be 'auto', 'swap' or 'recompute', got "
+                f"{self.preemption_mode!r}"
+            )
         if self.engine_thread_niceness is None:
             return
         if not 0 <= self.engine_thread_niceness <= 19:

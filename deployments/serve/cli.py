@@ -32,7 +32,7 @@ def app_args(args: argparse.Namespace) -> dict[str, Any]:
     if args.model is not None or ("model" not in data and "engine" not in data):
         data["model"] = args.model or "tiny"
     if args.replicas is not None or "num_replicas" not in data:
-        data["num_replicas"] = args.replicas or 2
+        data["num_replicas"] = 2 if args.replicas is None else args.replicas
     for key in ("tool_call_parser", "reasoning_parser"):
         if getattr(args, key, None) is not None:
             data[key] = getattr(args, key)
@@ -142,11 +142,14 @@ def _raise_stop(signum: int, frame: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fairbatch.deployments.serve.app import APP_NAME, ConfigError, parse_app_args
+    from fairbatch.deployments.serve.app import APP_NAME, ENGINES, ConfigError, parse_app_args
 
     try:
         data = app_args(args)
         config = parse_app_args(data)
+        if config.model not in ENGINES and not os.path.isdir(config.model):
+            # (the replicas load it on this machine: say so before starting Ray)
+            raise ConfigError(f"model: no such model directory {config.model!r}")
     except ConfigError as e:
         print(f"fairbatch serve: {e}", file=sys.stderr)
         return 2
@@ -209,6 +212,13 @@ def run(args: argparse.Namespace) -> int:
     return code
 
 
+def _port(text: str) -> int:
+    port = int(text)
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 1..65535, got {port}")
+    return port
+
+
 def add_parser(sub: Any) -> None:
     from fairbatch.deployments.api.reasoning import PARSERS as REASONING_PARSERS
     from fairbatch.deployments.api.tool_parsers import PARSERS
@@ -219,7 +229,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--config", help="YAML with the app args (or a Serve config holding them)")
     p.add_argument("--model", help="tiny (default), sim, or a Hugging Face model directory")
     p.add_argument("--replicas", type=int, help="replica actors, one GPU each (default 2)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=_port, default=8000)
     p.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to listen on every interface")
     p.add_argument("--verbose", action="store_true", help="show the Ray workers' logs")
     p.add_argument(

@@ -54,3 +54,41 @@ def test_the_parser_flags_reach_the_app_args(tmp_path):
     assert parse_app_args(app_args(thinking)).reasoning_parser == "deepseek_r1"
     with pytest.raises(SystemExit):  # argparse refuses a format that has no parser
         parser.parse_args(["serve", "--tool-call-parser", "granite"])
+
+
+@pytest.mark.parametrize(
+    "engine, field",
+    [
+        ({"max_num_seqs": -1}, "max_num_seqs"),
+        ({"num_gpu_blocks": 0}, "num_gpu_blocks"),
+        ({"max_model_len": 0}, "max_model_len"),
+        ({"device": "tpu"}, "device"),
+        ({"preemption_mode": "drop"}, "preemption_mode"),
+        ({"heartbeat_s": 0}, "heartbeat_s"),
+    ],
+)
+def test_a_bad_engine_value_is_refused_where_the_config_is_read(engine, field):
+    # (before: accepted, then every replica failed to start, after Ray and Serve were up)
+    from fairbatch.deployments.serve.app import ConfigError, parse_app_args
+
+    with pytest.raises(ConfigError, match=field):
+        parse_app_args({"engine": engine})
+    parse_app_args({"engine": {"device": "cuda:1", "num_cpu_blocks": 0}})  # good values pass
+
+
+def test_serve_refuses_bad_flags_and_a_missing_model_before_starting_ray(tmp_path, capsys):
+    import argparse
+
+    from fairbatch.deployments.serve.cli import add_parser, run
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    for argv in (["serve", "--port", "-5"], ["serve", "--port", "70000"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(argv)
+    for argv, field in [
+        (["serve", "--replicas", "0"], "num_replicas"),  # (was: 0 read as the default, 2)
+        (["serve", "--model", str(tmp_path / "nowhere")], "model"),
+    ]:
+        assert run(parser.parse_args(argv)) == 2  # returns before importing Ray's init
+        assert field in capsys.readouterr().err
