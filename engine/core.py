@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import operator
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -99,7 +100,12 @@ class EngineCore:
                 raise ValueError("a text prompt needs a tokenizer; pass token ids instead")
             prompt_ids = self.tokenizer.encode(prompt)
         else:
-            prompt_ids = [int(t) for t in prompt]
+            try:  # (operator.index: ints, numpy's too; a float or None is no token id)
+                prompt_ids = [operator.index(t) for t in prompt]
+            except TypeError:
+                raise ValueError(
+                    f"a prompt is a string or a list of token ids (ints), got {prompt!r:.80}"
+                ) from None
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         vocab = self.vocab_size

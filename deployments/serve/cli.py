@@ -133,6 +133,20 @@ def _spare_port(host: str) -> int:
         return s.getsockname()[1]
 
 
+def _port_taken(host: str, port: int) -> bool:
+    """Whether something already listens on (host, port): Serve would then quietly take the
+    next port of its range, and the clients set up for this one would find nothing."""
+    import socket
+
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
 class _Stop(Exception):
     pass
 
@@ -150,6 +164,8 @@ def run(args: argparse.Namespace) -> int:
         if config.model not in ENGINES and not os.path.isdir(config.model):
             # (the replicas load it on this machine: say so before starting Ray)
             raise ConfigError(f"model: no such model directory {config.model!r}")
+        if _port_taken(args.host, args.port):
+            raise ConfigError(f"--port: {args.host}:{args.port} is in use; pick another port")
     except ConfigError as e:
         print(f"fairbatch serve: {e}", file=sys.stderr)
         return 2

@@ -95,6 +95,10 @@ def parse_request(
 ) -> GenerateRequest:
     if isinstance(request, GenerateRequest) and not kwargs:
         return request
+    if request is not None and not isinstance(request, (dict, GenerateRequest)):
+        raise ValueError(
+            f"a generate request is a dict (or keyword arguments), got {type(request).__name__}"
+        )
     data = dict(request or {}) if not isinstance(request, GenerateRequest) else request.model_dump()
     data.update(kwargs)
     try:
@@ -141,7 +145,9 @@ class HandleApi:
         try:
             api.ready()
             tenant = api.registry.tenants.get(req.tenant or api.registry.anonymous)
-            if tenant is None or (req.tenant is None and not api.registry.allow_anonymous):
+            if req.tenant is None and not api.registry.allow_anonymous:
+                raise ValueError("name the request's tenant: this app has no anonymous tenant")
+            if tenant is None:
                 raise ValueError(f"unknown tenant {req.tenant!r}")
             ids = await self._prompt_ids(api, req)
             max_tokens = api.max_tokens(len(ids), req.max_tokens, api.limits.default_max_tokens)

@@ -225,3 +225,17 @@ def test_bad_requests_raise_clear_errors():
     with pytest.raises(ValueError, match="token ids"):
         llm.generate([[10**6]], GREEDY)
     assert not llm.engine.has_unfinished()
+
+
+def test_a_prompt_that_is_not_token_ids_is_refused_by_name():
+    # a float or None is no token id (before: 1.5 was read as token 1, None a TypeError);
+    # numpy's integers are ids
+    import numpy as np
+
+    llm = LLM("tiny", num_gpu_blocks=64)
+    for bad in ([1.5], None, [3, None], ["a", "b"]):
+        with pytest.raises(ValueError, match="list of token ids"):
+            llm.generate([bad], SamplingParams(max_tokens=1), use_tqdm=False)
+    out = llm.generate([np.array([5, 6, 7])], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert len(out[0].token_ids) == 2
+    assert llm.engine.scheduler.num_waiting == 0 and not llm.engine.has_unfinished()

@@ -92,3 +92,11 @@ def test_serve_refuses_bad_flags_and_a_missing_model_before_starting_ray(tmp_pat
     ]:
         assert run(parser.parse_args(argv)) == 2  # returns before importing Ray's init
         assert field in capsys.readouterr().err
+    import socket
+
+    with socket.socket() as held:  # a port in use: said, not the next one taken quietly
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        assert run(parser.parse_args(["serve", "--port", str(port)])) == 2
+        assert f"127.0.0.1:{port} is in use" in capsys.readouterr().err
