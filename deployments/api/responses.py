@@ -216,8 +216,9 @@ class ResponseRun:
                 first = False
                 if text or lps or reason is not None:
                     choice = self.choice(text, lps, reason)
-                    if choice.get("delta", True) or choice["finish_reason"] or choice["logprobs"]:
-                        yield choice  # (not a chunk with nothing in it: text the output holds)
+                    # no chat chunk with nothing in it (text the output's converter holds)
+                    if not self.chat or choice["delta"] or reason is not None or choice["logprobs"]:
+                        yield choice
                 if d.finished:
                     self.outcome = "ok"
                     return

@@ -33,7 +33,7 @@ from fairbatch.deployments.cluster.channel import CHANNEL_BACKPRESSURE, DriverOw
 from fairbatch.deployments.cluster.wire import Moved, ReplicaReport, RequestMeta, StreamItem
 from fairbatch.engine.core import EngineCore, MigratedRequest, RequestDelta
 from fairbatch.policies import TenantSpec
-from fairbatch.scheduler import Request, RequestStatus
+from fairbatch.scheduler import Request, RequestStatus, SchedulerConfig
 
 log = logging.getLogger(__name__)
 
@@ -84,9 +84,13 @@ class ReplicaConfig:
 
     def __post_init__(self) -> None:
         """Bad values fail here, where a config is read, not in a replica starting later."""
-        at_least = {"num_gpu_blocks": 1, "num_cpu_blocks": 0, "block_size": 1,
-                    "max_num_seqs": 1, "max_num_batched_tokens": 1, "max_model_len": 1,
-                    "torch_threads": 1}  # fmt: skip
+        SchedulerConfig(  # its own checks: seats, token budget, context, preemption mode
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            preemption_mode=self.preemption_mode,
+        )
+        at_least = {"num_gpu_blocks": 1, "num_cpu_blocks": 0, "block_size": 1, "torch_threads": 1}
         for name, low in at_least.items():
             if getattr(self, name) < low:
                 raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")
@@ -98,11 +102,6 @@ class ReplicaConfig:
         device = self.device
         if not (device in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", device)):
             raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}")
-        if self.preemption_mode not in ("auto", "swap", "recompute"):
-            raise ValueError(
-                f"preemption_mode must be 'auto', 'swap' or 'recompute', got "
-                f"{self.preemption_mode!r}"
-            )
         if self.engine_thread_niceness is None:
             return
         if not 0 <= self.engine_thread_niceness <= 19:
@@ -134,7 +133,7 @@ def build_core(cfg: ReplicaConfig) -> EngineCore:
         from fairbatch.engine.sim_runner import SimRunner
         from fairbatch.kv.manager import KVCacheManager
         from fairbatch.policies import make_policy
-        from fairbatch.scheduler import Scheduler, SchedulerConfig
+        from fairbatch.scheduler import Scheduler
 
         shape = getattr(gpu_profiles, cfg.sim_model)()
         runner = SimRunner(shape, cfg.sim_gpu, vocab_size=cfg.sim_vocab, block_size=cfg.block_size)
