@@ -6,7 +6,8 @@ The same requests (token-id prompts, greedy, `ignore_eos`, a fixed number of str
     HTTP client;
   * `serve_http@<ms>`: the Ray Serve app (`build_app`: ingress + controller + replica actors)
     as `fairbatch serve` runs it (Serve's direct ingress; `--proxy`: behind Serve's HTTP proxy),
-    once per stream interval (`--intervals`, default 50 and 0);
+    once per stream interval (`--intervals`, default 50 and 0) and channel transport
+    (`--channels`, default socket; a `ray` row is named `serve_http@50ms/ray`);
   * `handle@<ms>`: the same app through its handle API (`generate`, streamed) from this driver.
 
 For each: output tokens/s and its ratio to offline; TTFT, TPOT and ITL p50/p99 (ITL: the gaps
@@ -301,23 +302,26 @@ def _serve_paths(loop: _Loop, ids: list[list[int]], wl: dict, paths: list[str], 
     proxy_port = port if wl["proxy"] else _free_port()  # the idle proxy gets a spare one
     serve.start(http_options={"host": "127.0.0.1", "port": proxy_port})
     for interval in wl["intervals"]:
-        args = {
-            "model": "tiny",
-            "num_replicas": wl["replicas"],
-            "engine": {"max_num_seqs": wl["seats"], "num_gpu_blocks": wl["num_gpu_blocks"]},
-            "stream_interval_ms": interval,
-        }
-        handle = serve.run(build_app(args), name=APP_NAME, route_prefix="/")
-        url = ingress_url(APP_NAME, f"http://127.0.0.1:{proxy_port}")
-        model = "fairbatch-tiny"
-        if "serve_http" in paths:
-            loop.run(http_run(url, model, ids[:WARMUP_REQUESTS], wl, 8))
-            run = functools.partial(loop.run, http_run(url, model, ids, wl, n_out))
-            rows.append(measure(f"serve_http@{interval:g}ms", run, wl))
-        if "handle" in paths:
-            loop.run(handle_run(handle, ids[:WARMUP_REQUESTS], wl, 8))
-            run = functools.partial(loop.run, handle_run(handle, ids, wl, n_out))
-            rows.append(measure(f"handle@{interval:g}ms", run, wl))
+        for channel in wl["channels"]:
+            args = {
+                "model": "tiny",
+                "num_replicas": wl["replicas"],
+                "engine": {"max_num_seqs": wl["seats"], "num_gpu_blocks": wl["num_gpu_blocks"]},
+                "stream_interval_ms": interval,
+                "channel_transport": channel,
+            }
+            handle = serve.run(build_app(args), name=APP_NAME, route_prefix="/")
+            url = ingress_url(APP_NAME, f"http://127.0.0.1:{proxy_port}")
+            model = "fairbatch-tiny"
+            suffix = "" if channel == "socket" else f"/{channel}"
+            if "serve_http" in paths:
+                loop.run(http_run(url, model, ids[:WARMUP_REQUESTS], wl, 8))
+                run = functools.partial(loop.run, http_run(url, model, ids, wl, n_out))
+                rows.append(measure(f"serve_http@{interval:g}ms{suffix}", run, wl))
+            if "handle" in paths:
+                loop.run(handle_run(handle, ids[:WARMUP_REQUESTS], wl, 8))
+                run = functools.partial(loop.run, handle_run(handle, ids, wl, n_out))
+                rows.append(measure(f"handle@{interval:g}ms{suffix}", run, wl))
     return rows
 
 
@@ -374,12 +378,21 @@ def workload(args: argparse.Namespace) -> dict:
         "seats": args.max_num_seqs,
         "num_gpu_blocks": args.num_gpu_blocks or 1024,
         "intervals": [float(x) for x in args.intervals.split(",")],
+        "channels": _channels(getattr(args, "channels", "socket")),
         "proxy": bool(getattr(args, "proxy", False)),  # Serve's HTTP proxy, not direct ingress
         "greedy": True,
         "ignore_eos": True,
         "prompt": "token ids",
         "rounds": getattr(args, "rounds", 1),  # all paths again each round; medians reported
     }
+
+
+def _channels(spec: str) -> list[str]:
+    channels = [c.strip() for c in spec.split(",") if c.strip()]
+    bad = [c for c in channels if c not in ("socket", "ray")]
+    if bad or not channels:
+        raise SystemExit(f"--channels {spec!r}: a comma-separated list of socket, ray")
+    return channels
 
 
 def summarize(rounds: list[list[dict]]) -> list[dict]:

@@ -270,6 +270,12 @@ def _add_bench_serve(bench_sub: argparse._SubParsersAction) -> None:
         "as fairbatch serve runs it)",
     )
     g.add_argument(
+        "--channels",
+        default="socket",
+        help="serving-path: the app's channel_transport values to run the Serve paths with "
+        "(socket, ray; default socket): rows of ray are named PATH@MS/ray",
+    )
+    g.add_argument(
         "--paths",
         default="offline,local_http,serve_http,handle",
         help="serving-path: which paths to run (default all four)",

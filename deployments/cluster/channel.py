@@ -8,6 +8,10 @@ slower than the engine steps: batches grow, messages do not). The outbox is boun
 `limit` unread items the consumer is too slow, and its requests are aborted with an error
 rather than grow the replica's memory.
 
+The channel is a TCP socket of its own by default (`socket_channel.py`: a fifth of the CPU
+per message that a Ray stream costs the reader); a Ray streaming generator (`Replica.channel`)
+where `transport` is "ray", or where the socket cannot be reached (a firewall between nodes).
+
 Consumer side, `ReplicaLink`: reads the channel and fans each item out to its request's queue;
 when the controller does not submit this process's requests for it, submits them in batches
 (one actor call per event-loop turn, not per request). A broken channel (the replica died)
@@ -28,6 +32,7 @@ from typing import Any
 
 from ray.exceptions import RayActorError
 
+from fairbatch.deployments.cluster.socket_channel import connect, read_messages
 from fairbatch.deployments.cluster.wire import RequestMeta
 
 log = logging.getLogger(__name__)
@@ -35,6 +40,8 @@ log = logging.getLogger(__name__)
 # Messages a channel may have in flight that the consumer has not read (Ray's generator
 # backpressure): past that the replica's stream waits, and deltas gather in the outbox.
 CHANNEL_BACKPRESSURE = 8
+SOCKET_CONNECT_TIMEOUT_S = 5.0  # past that the channel falls back to a Ray stream
+TRANSPORTS = ("socket", "ray")
 
 
 @dataclass(frozen=True)
@@ -93,8 +100,12 @@ class ReplicaLink:
         consumer: str,
         owner: Any,
         expected: set[str] | frozenset = frozenset(),
+        transport: str = "socket",
     ) -> None:
+        if transport not in TRANSPORTS:
+            raise ValueError(f"channel transport {transport!r}: expected one of {TRANSPORTS}")
         self.replica_id = replica_id
+        self.transport = transport
         self.handle = handle
         self.consumer = consumer
         self.owner = owner  # this process's actor handle or DriverOwner (None: not known)
@@ -170,9 +181,8 @@ class ReplicaLink:
 
     async def _read(self) -> None:
         try:
-            gen = self.handle.channel.remote(self.consumer, self.owner)
-            async for ref in gen:
-                for item in await ref:
+            async for items in self._messages():
+                for item in items:
                     rid = item.request_id
                     queue = self.queues.get(rid)
                     if queue is not None:
@@ -187,6 +197,24 @@ class ReplicaLink:
             self.error = e
             for queue in self.queues.values():
                 queue.put_nowait(LinkLost(repr(e)))
+
+    async def _messages(self):
+        """The channel's messages: over the replica's socket, or over Ray."""
+        if self.transport == "socket":
+            offer = await self.handle.channel_socket.remote(self.consumer, self.owner)
+            try:
+                reader, writer = await connect(offer, SOCKET_CONNECT_TIMEOUT_S)
+            except (OSError, asyncio.TimeoutError) as e:
+                log.warning(
+                    "channel socket of replica %s at %s:%d unreachable (%r): reading its channel "
+                    "over Ray instead", self.replica_id, offer.host, offer.port, e,
+                )  # fmt: skip
+            else:
+                async for items in read_messages(reader, writer):
+                    yield items
+                return
+        async for ref in self.handle.channel.remote(self.consumer, self.owner):
+            yield await ref
 
     def shutdown(self) -> None:
         self.reader.cancel()

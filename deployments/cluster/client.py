@@ -34,7 +34,14 @@ from typing import Any
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
 
-from fairbatch.deployments.cluster.channel import DriverOwner, LinkLost, ReplicaLink, RequestRefused
+from fairbatch.deployments.cluster.channel import (
+    TRANSPORTS,
+    DriverOwner,
+    LinkLost,
+    ReplicaLink,
+    RequestRefused,
+)
+from fairbatch.deployments.cluster.socket_channel import MovePending
 from fairbatch.deployments.cluster.wire import (
     FIRST_ONLY,
     Assignment,
@@ -61,8 +68,12 @@ class ClusterClient:
         max_resubmits: int = 8,
         batch_admissions: bool = True,
         forward: bool = True,
+        channel_transport: str = "socket",
     ) -> None:
+        if channel_transport not in TRANSPORTS:
+            raise ValueError(f"channel_transport {channel_transport!r}: one of {TRANSPORTS}")
         self.controller = controller  # actor handle, or its name
+        self.channel_transport = channel_transport  # how replicas' channels reach this process
         self.block_size = block_size
         self.admit_timeout_s = admit_timeout_s
         self.item_timeout_s = item_timeout_s
@@ -118,7 +129,10 @@ class ClusterClient:
                 link.shutdown()
             owner = self.owner()
             handle_of_owner = None if owner is None else owner[1]
-            link = ReplicaLink(replica_id, handle, consumer, handle_of_owner, self._expected)
+            link = ReplicaLink(
+                replica_id, handle, consumer, handle_of_owner, self._expected,
+                transport=self.channel_transport,
+            )  # fmt: skip
             self._links[replica_id] = link
         return link
 
@@ -195,6 +209,10 @@ class ClusterClient:
                             item = queue.get_nowait()
                         if isinstance(item, LinkLost):
                             raise item
+                        if isinstance(item, MovePending):  # its handle and ref come over Ray
+                            item = await handle.moved.remote(rid)
+                            if item is None:
+                                raise LinkLost(f"replica {replica_id} lost the move of {rid}")
                         if isinstance(item, Moved) and item.replica is None:
                             _resubmission(meta, delivered, sent)  # requeued by a drain
                             break

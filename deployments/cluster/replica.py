@@ -1,14 +1,15 @@
 """The replica actor: one per GPU, owns an EngineCore and runs its step loop continuously.
 
 Data plane (`channel.py`): consumers (an ingress replica, a handle caller, a driver) `submit`
-requests in batches and read one long-lived `channel` stream each; after every engine step the
-deltas of each consumer's requests go to that consumer's outbox, and its channel takes them as
-one message. Tokens never pass through the controller. Control plane: a background task
-reports to the controller at a bounded rate (one report per `report_interval_s` at most, and
-only when something changed or a heartbeat is due), and the controller's commands (preempt,
-migrate out, counters) run between steps on the engine thread.
+requests in batches and read one long-lived channel each (a TCP socket of its own,
+`socket_channel.py`, or a Ray stream); after every engine step the deltas of each consumer's
+requests go to that consumer's outbox, and its channel takes them as one message. Tokens never
+pass through the controller. Control plane: a background task reports to the controller at a
+bounded rate (one report per `report_interval_s` at most, and only when something changed or
+a heartbeat is due), and the controller's commands (preempt, migrate out, counters) run
+between steps on the engine thread.
 
-A consumer that dies does not end its channel: Ray keeps running an actor's streaming
+A consumer that dies does not always end its channel: Ray keeps running an actor's streaming
 generator after the process consuming it is gone. So a consumer names its process when it
 submits (its actor, or a driver's job: `DriverOwner`), and the replica checks that process
 every `owner_check_s` while it has requests here (a ping, or the GCS's job table);
@@ -30,6 +31,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fairbatch.deployments.cluster.channel import CHANNEL_BACKPRESSURE, DriverOwner, Outbox
+from fairbatch.deployments.cluster.socket_channel import (
+    ChannelServer,
+    MovePending,
+    Offer,
+    write_messages,
+)
 from fairbatch.deployments.cluster.wire import Moved, ReplicaReport, RequestMeta, StreamItem
 from fairbatch.engine.core import EngineCore, MigratedRequest, RequestDelta
 from fairbatch.policies import TenantSpec
@@ -208,6 +215,19 @@ async def owner_is_dead(owner: Any, timeout_s: float) -> bool:
     return any(job.is_dead for job_id, job in jobs.items() if job_id.hex() == owner.job_id)
 
 
+def _node_address() -> str:
+    """The address other processes reach this one at: Ray's node address (loopback outside
+    Ray)."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except Exception:
+        pass
+    return "127.0.0.1"
+
+
 def owner_key(owner: Any) -> str:
     """An owner's id, for stats: the actor's id, or "job:<id>" for a driver."""
     if isinstance(owner, DriverOwner):
@@ -242,6 +262,8 @@ class Replica:
         self._dead_consumers: dict[str, None] = {}
         self._stalling: set[str] = set()  # consumers whose requests are being dropped
         self._exports: list[tuple[float, Any]] = []  # (time, ObjectRef) of migrated requests
+        self._moves: dict[str, tuple[float, Moved]] = {}  # announced on a socket, not fetched
+        self._socket: ChannelServer | None = None  # channel sockets, from the first one asked
         self._finished: list[tuple[str, int]] = []  # (id, output tokens) left since last report
         self._meta: dict[str, tuple[str, int, int]] = {}  # id -> (tenant, priority, max_tokens)
         self._changed = True
@@ -398,9 +420,42 @@ class Replica:
         _generator_backpressure_num_objects=CHANNEL_BACKPRESSURE,
     )
     async def channel(self, consumer: str, owner: Any = None):
-        """The consumer's one stream from this replica: each item is a list of everything its
-        outbox gathered since the last one (one engine step's deltas, or more). A newer
-        channel of the same consumer ends this one."""
+        """The consumer's one stream from this replica over Ray (`channel_socket` is the
+        default): each item is a list of everything its outbox gathered since the last one
+        (one engine step's deltas, or more). A newer channel of the same consumer ends this
+        one."""
+        async for items in self._messages(consumer, owner):
+            yield items
+
+    async def channel_socket(self, consumer: str, owner: Any = None) -> Offer:
+        """The consumer's channel as a TCP socket of its own (`socket_channel`): where to
+        connect, with the tokens that prove both ends. The channel opens on connecting."""
+        if self._socket is None:
+            self._socket = ChannelServer(_node_address(), self._serve_socket)
+        self._watch(self._outbox(consumer, owner))
+        return await self._socket.offer(consumer)
+
+    async def _serve_socket(self, consumer: str, reader: Any, writer: Any) -> None:
+        async def framed():
+            async for items in self._messages(consumer):
+                yield [self._plain(item) for item in items]
+
+        await write_messages(framed(), reader, writer)
+
+    def _plain(self, item: Any) -> Any:
+        """`item` as plain data for a socket frame: a move to another replica waits here for
+        `moved()` (its handle and ObjectRef travel over Ray)."""
+        if isinstance(item, Moved) and item.replica is not None:
+            self._moves[item.request_id] = (time.monotonic(), item)
+            return MovePending(item.request_id)
+        return item
+
+    async def moved(self, request_id: str) -> Moved | None:
+        """The `Moved` a socket frame announced as `MovePending` (None if not here)."""
+        entry = self._moves.pop(request_id, None)
+        return None if entry is None else entry[1]
+
+    async def _messages(self, consumer: str, owner: Any = None):
         box = self._outbox(consumer, owner)
         self._watch(box)  # a forwarded submission may have made the box before its owner was known
         box.generation += 1
@@ -581,10 +636,14 @@ class Replica:
     export_hold_s = 300.0  # how long a migrated request's object stays pinned at its source
 
     def _prune_exports(self) -> None:
-        """Unpin migrated requests' objects older than `export_hold_s` (on the event loop)."""
+        """Unpin migrated requests' objects older than `export_hold_s`, and forget moves not
+        fetched by then (on the event loop)."""
+        now = time.monotonic()
         if self._exports:
-            now = time.monotonic()
             self._exports = [(t, r) for t, r in self._exports if now - t < self.export_hold_s]
+        for rid, (t, _) in list(self._moves.items()):
+            if now - t >= self.export_hold_s:
+                del self._moves[rid]
 
     async def set_tenant_counters(self, counters: dict[str, float]) -> None:
         await self.engine.call(self.core.scheduler.set_tenant_counters, counters)

@@ -5,7 +5,9 @@ stops reading is dropped with a clear error before the replica's memory grows wi
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
+import socket
 import sys
 import threading
 
@@ -204,17 +206,38 @@ class _Handle:
                 yield ref
 
         self.channel = _Method(channel)
+        self.channel_socket = _Method(rep.channel_socket)
 
 
-def test_items_of_an_expected_request_wait_for_its_queue():
+class _UnreachableSocket(_Handle):
+    """Its replica offers a socket nobody can reach (a firewall between the nodes)."""
+
+    def __init__(self, rep: Replica) -> None:
+        super().__init__(rep)
+
+        async def channel_socket(consumer, owner):
+            offer = await rep.channel_socket(consumer, owner)
+            with socket.socket() as s:  # a port with nothing listening on it
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            return dataclasses.replace(offer, port=port)
+
+        self.channel_socket = _Method(channel_socket)
+
+
+@pytest.mark.parametrize("transport", ["socket", "ray", "unreachable_socket"])
+def test_items_of_an_expected_request_wait_for_its_queue(transport):
     """Items of a request the controller forwarded can come before its client has opened the
     request's queue (it has not heard the assignment yet): the link keeps those of the
-    requests its client expects until `open`, and drops the rest."""
+    requests its client expects until `open`, and drops the rest. The same over each
+    transport; a socket that cannot be reached falls back to Ray."""
     from fairbatch.deployments.cluster.channel import ReplicaLink
 
     async def main():
         rep = replica()
-        link = ReplicaLink("rep", _Handle(rep), "c", None, expected={"r0"})
+        handle = (_UnreachableSocket if transport == "unreachable_socket" else _Handle)(rep)
+        kind = "ray" if transport == "ray" else "socket"
+        link = ReplicaLink("rep", handle, "c", None, expected={"r0"}, transport=kind)
         assert await rep.submit("c", [meta(0, 5), meta(1, 5)], forwarded=True) == [None] * 2
         for _ in range(2000):
             if not rep._routes:  # both finished and sent

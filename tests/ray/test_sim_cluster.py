@@ -250,8 +250,10 @@ def test_bad_request_ends_with_an_error_not_a_hang(cluster):
     assert ok["finish_reason"] == "length"
 
 
-async def migrate_midway(c, rid: str, tokens_before: int) -> tuple[dict, str | None]:
-    client = ClusterClient(c.controller, item_timeout_s=60)
+async def migrate_midway(
+    c, rid: str, tokens_before: int, transport: str = "socket"
+) -> tuple[dict, str | None]:
+    client = ClusterClient(c.controller, item_timeout_s=60, channel_transport=transport)
     seen: list[int] = []
     items = []
     dst = None
@@ -264,8 +266,11 @@ async def migrate_midway(c, rid: str, tokens_before: int) -> tuple[dict, str | N
     return {"tokens": seen, "replicas": replicas, "items": items}, dst
 
 
-def test_migration_moves_the_stream_exactly(cluster, sim_expected):
-    result, dst = asyncio.run(migrate_midway(cluster, "mig-1", 20))
+@pytest.mark.parametrize("transport", ["socket", "ray"])
+def test_migration_moves_the_stream_exactly(cluster, sim_expected, transport):
+    """Over a socket the move is announced in the frame and fetched over Ray (its handle and
+    ObjectRef); over Ray it comes in the channel's message."""
+    result, dst = asyncio.run(migrate_midway(cluster, f"mig-{transport}", 20, transport))
     assert dst is not None
     assert result["tokens"] == sim_expected(prompt(7), 200)
     assert len(result["replicas"]) == 2 and result["replicas"][-1] == dst

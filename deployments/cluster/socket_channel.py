@@ -1,0 +1,212 @@
+"""A replica's channels over a TCP socket of their own, beside Ray: the default data plane.
+
+Measured on the 2-core machine (docs/BENCHMARKS.md, "The channel's transport"): one message of
+16 stream items costs the reading process 1.2-1.8 ms of CPU as an item of a Ray streaming
+generator (or as an actor call), 0.2 ms as a frame on a socket. At one message per engine step
+per replica that was half of the ingress's CPU per token.
+
+Ray stays the control plane: the consumer asks the replica (`Replica.channel_socket`, an actor
+call) for an `Offer` - the replica's address, a port, and two random tokens - and connects.
+The consumer sends the first token; the replica checks it (single use, within `OFFER_TTL_S`)
+before it reads anything else, and answers with the second, which the consumer checks before
+it unpickles a frame. So only the two ends of one Ray call can talk on the socket. After that
+the replica writes frames (a 4-byte length, then the pickled list of one message's items) and
+reads nothing but the consumer's end of the connection.
+
+What cannot travel in a plain pickle stays on Ray: a `Moved` that names its destination (an
+actor handle, and an ObjectRef whose borrowers Ray must track) goes as `MovePending`, and the
+consumer fetches it with `Replica.moved`.
+
+TCP keepalive probes find a peer whose machine vanished without closing the connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import os
+import pickle
+import socket
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+TOKEN_BYTES = 16
+OFFER_TTL_S = 60.0  # an offer not taken up by then is void
+HANDSHAKE_TIMEOUT_S = 10.0
+MAX_FRAME = 1 << 30
+_LEN = 4
+
+
+@dataclass(frozen=True)
+class Offer:
+    """Where and how a consumer connects to a replica's channel (sent over Ray)."""
+
+    host: str
+    port: int
+    token: bytes  # the consumer sends this
+    reply: bytes  # the replica answers with this
+
+
+@dataclass(frozen=True)
+class MovePending:
+    """In a socket frame, in place of a `Moved` naming a replica: fetch it from the replica
+    (`Replica.moved(request_id)`), where it waits."""
+
+    request_id: str
+
+
+def keepalive(sock: socket.socket | None) -> None:
+    """Probe an idle connection after 10 s, every 5 s, and drop it after 3 unanswered."""
+    if sock is None:
+        return
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3)):
+        if hasattr(socket, name):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+
+
+def frame(items: list) -> bytes:
+    data = pickle.dumps(items, protocol=5)
+    return len(data).to_bytes(_LEN, "big") + data
+
+
+class ChannelServer:
+    """The replica's listening socket. `serve(consumer, reader, writer)` is called for each
+    connection whose token matched an offer made to `consumer`."""
+
+    def __init__(self, host: str, serve: Callable[[str, Any, Any], Any]) -> None:
+        self.host = host
+        self.serve = serve
+        self.port = 0
+        self._offers: dict[bytes, tuple[str, bytes, float]] = {}  # token -> consumer, reply, t
+        self._server: asyncio.AbstractServer | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    async def offer(self, consumer: str) -> Offer:
+        if self._server is None:
+            self._server = await asyncio.start_server(self._accept, self.host, 0)
+            self.port = self._server.sockets[0].getsockname()[1]
+            log.info("channel socket listening on %s:%d", self.host, self.port)
+        now = time.monotonic()
+        self._offers = {t: o for t, o in self._offers.items() if now - o[2] < OFFER_TTL_S}
+        token, reply = os.urandom(TOKEN_BYTES), os.urandom(TOKEN_BYTES)
+        self._offers[token] = (consumer, reply, now)
+        return Offer(self.host, self.port, token, reply)
+
+    def _claim(self, token: bytes) -> tuple[str, bytes] | None:
+        for known in list(self._offers):
+            if hmac.compare_digest(known, token):
+                consumer, reply, made = self._offers.pop(known)
+                if time.monotonic() - made < OFFER_TTL_S:
+                    return consumer, reply
+        return None
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._tasks.add(task)
+        try:
+            keepalive(writer.get_extra_info("socket"))
+            try:
+                token = await asyncio.wait_for(reader.readexactly(TOKEN_BYTES), HANDSHAKE_TIMEOUT_S)
+            except (asyncio.IncompleteReadError, asyncio.TimeoutError, OSError):
+                return
+            claim = self._claim(token)
+            if claim is None:
+                log.warning("channel socket: a connection with no valid token, closed")
+                return
+            consumer, reply = claim
+            writer.write(reply)
+            await self.serve(consumer, reader, writer)
+        except (ConnectionError, OSError):
+            pass  # the consumer went away
+        finally:
+            writer.close()
+            if task is not None:
+                self._tasks.discard(task)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for task in self._tasks:
+            task.cancel()
+
+
+async def write_messages(
+    messages: AsyncIterator[list], reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+) -> None:
+    """Write each message as a frame until `messages` ends or the consumer closes its end
+    (the consumer never sends after the handshake: anything it does is its end closing).
+    A consumer that reads slower than the frames come waits in `drain()`; the messages pile
+    up at their source meanwhile."""
+
+    async def write() -> None:
+        async for items in messages:
+            writer.write(frame(items))
+            await writer.drain()
+
+    writing = asyncio.ensure_future(write())
+    closed = asyncio.ensure_future(reader.read(1))
+    try:
+        await asyncio.wait({writing, closed}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (writing, closed):
+            task.cancel()
+        await asyncio.gather(writing, closed, return_exceptions=True)
+        close = getattr(messages, "aclose", None)
+        if close is not None:
+            await close()
+    if writing.done() and not writing.cancelled() and writing.exception() is not None:
+        raise writing.exception()
+
+
+async def connect(
+    offer: Offer, timeout_s: float
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """Connect to a replica's offer and check that it answers as that replica (read its
+    frames with `read_messages`). OSError or asyncio.TimeoutError when it cannot."""
+
+    async def handshake() -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        reader, writer = await asyncio.open_connection(offer.host, offer.port, limit=1 << 20)
+        keepalive(writer.get_extra_info("socket"))
+        writer.write(offer.token)
+        reply = await reader.readexactly(TOKEN_BYTES)
+        if not hmac.compare_digest(reply, offer.reply):
+            writer.close()
+            raise ConnectionError(f"{offer.host}:{offer.port} is not the replica that offered it")
+        return reader, writer
+
+    try:
+        return await asyncio.wait_for(handshake(), timeout_s)
+    except asyncio.IncompleteReadError as e:
+        raise ConnectionError(f"{offer.host}:{offer.port} closed during the handshake") from e
+
+
+async def read_messages(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+) -> AsyncIterator[list]:
+    """The replica's messages, until it closes the connection between two frames (then this
+    ends; ConnectionError inside one). Closing this iterator closes the connection."""
+    try:
+        while True:
+            try:
+                head = await reader.readexactly(_LEN)
+            except asyncio.IncompleteReadError as e:
+                if e.partial:
+                    raise ConnectionError("the channel closed inside a frame") from None
+                return
+            size = int.from_bytes(head, "big")
+            if size > MAX_FRAME:
+                raise ConnectionError(f"a channel frame of {size} bytes: the stream is corrupt")
+            try:
+                data = await reader.readexactly(size)
+            except asyncio.IncompleteReadError:
+                raise ConnectionError("the channel closed inside a frame") from None
+            yield pickle.loads(data)
+    finally:
+        writer.close()
