@@ -8,8 +8,8 @@ slower than the engine steps: batches grow, messages do not). The outbox is boun
 `limit` unread items the consumer is too slow, and its requests are aborted with an error
 rather than grow the replica's memory.
 
-The channel is a TCP socket of its own by default (`socket_channel.py`: a fifth of the CPU
-per message that a Ray stream costs the reader); a Ray streaming generator (`Replica.channel`)
+The channel is a TCP socket of its own by default (`socket_channel.py`: about half the
+ingress's CPU per token that a Ray stream costs); a Ray streaming generator (`Replica.channel`)
 where `transport` is "ray", or where the socket cannot be reached (a firewall between nodes).
 
 Consumer side, `ReplicaLink`: reads the channel and fans each item out to its request's queue;

@@ -88,8 +88,8 @@ class ServeAppConfig(AppConfig):
     metrics_interval_s: float = Field(default=1.0, ge=0)  # gauges refresh; 0 = no metrics
     autoscaling: dict[str, Any] | None = None
     # How replicas' token streams reach the ingress: a TCP socket per (replica, ingress), or a
-    # Ray stream ("ray": a fifth of the throughput's CPU more; for networks that let only Ray's
-    # ports through). A socket that cannot be reached falls back to Ray on its own.
+    # Ray stream ("ray": about twice the ingress's CPU per token; for networks that let only
+    # Ray's ports through). A socket that cannot be reached falls back to Ray on its own.
     channel_transport: Literal["socket", "ray"] = "socket"
 
     @field_validator("num_replicas")
