@@ -44,6 +44,12 @@ SOCKET_CONNECT_TIMEOUT_S = 5.0  # past that the channel falls back to a Ray stre
 TRANSPORTS = ("socket", "ray")
 
 
+def check_transport(transport: str) -> str:
+    if transport not in TRANSPORTS:
+        raise ValueError(f"channel transport {transport!r}: expected one of {TRANSPORTS}")
+    return transport
+
+
 @dataclass(frozen=True)
 class DriverOwner:
     """The owner of a consumer that runs in a Ray driver, which has no actor to ping: its
@@ -102,10 +108,8 @@ class ReplicaLink:
         expected: set[str] | frozenset = frozenset(),
         transport: str = "socket",
     ) -> None:
-        if transport not in TRANSPORTS:
-            raise ValueError(f"channel transport {transport!r}: expected one of {TRANSPORTS}")
         self.replica_id = replica_id
-        self.transport = transport
+        self.transport = check_transport(transport)
         self.handle = handle
         self.consumer = consumer
         self.owner = owner  # this process's actor handle or DriverOwner (None: not known)

@@ -35,11 +35,11 @@ import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
 
 from fairbatch.deployments.cluster.channel import (
-    TRANSPORTS,
     DriverOwner,
     LinkLost,
     ReplicaLink,
     RequestRefused,
+    check_transport,
 )
 from fairbatch.deployments.cluster.socket_channel import MovePending
 from fairbatch.deployments.cluster.wire import (
@@ -70,10 +70,9 @@ class ClusterClient:
         forward: bool = True,
         channel_transport: str = "socket",
     ) -> None:
-        if channel_transport not in TRANSPORTS:
-            raise ValueError(f"channel_transport {channel_transport!r}: one of {TRANSPORTS}")
         self.controller = controller  # actor handle, or its name
-        self.channel_transport = channel_transport  # how replicas' channels reach this process
+        # how replicas' channels reach this process (checked here, before any request)
+        self.channel_transport = check_transport(channel_transport)
         self.block_size = block_size
         self.admit_timeout_s = admit_timeout_s
         self.item_timeout_s = item_timeout_s

@@ -194,18 +194,17 @@ async def read_messages(
     ends; ConnectionError inside one). Closing this iterator closes the connection."""
     try:
         while True:
+            inside = False
             try:
                 head = await reader.readexactly(_LEN)
-            except asyncio.IncompleteReadError as e:
-                if e.partial:
-                    raise ConnectionError("the channel closed inside a frame") from None
-                return
-            size = int.from_bytes(head, "big")
-            if size > MAX_FRAME:
-                raise ConnectionError(f"a channel frame of {size} bytes: the stream is corrupt")
-            try:
+                inside = True
+                size = int.from_bytes(head, "big")
+                if size > MAX_FRAME:
+                    raise ConnectionError(f"a channel frame of {size} bytes: the stream is corrupt")
                 data = await reader.readexactly(size)
-            except asyncio.IncompleteReadError:
+            except asyncio.IncompleteReadError as e:
+                if not inside and not e.partial:  # closed between two frames
+                    return
                 raise ConnectionError("the channel closed inside a frame") from None
             yield pickle.loads(data)
     finally:
