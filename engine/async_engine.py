@@ -69,6 +69,7 @@ class AsyncEngine:
         self._task: asyncio.Task | None = None
         self._error: BaseException | None = None
         self._step_hook = step_hook  # called on the engine thread after each step (pacing)
+        self.step_clock: Any = None  # times each step when set (begin() and stop())
         self.num_steps = 0
 
     # ---- lifecycle --------------------------------------------------------------------------
@@ -166,7 +167,12 @@ class AsyncEngine:
     # ---- the loop ---------------------------------------------------------------------------
 
     def _step(self) -> list[RequestDelta]:
+        clock = self.step_clock
+        if clock is not None:
+            clock.begin()
         deltas = self.engine.step()
+        if clock is not None:
+            clock.stop()
         self.num_steps += 1
         if self._step_hook is not None:
             self._step_hook()

@@ -32,6 +32,7 @@ from typing import Any
 
 from ray.exceptions import RayActorError
 
+from fairbatch.deployments.cluster import trace
 from fairbatch.deployments.cluster.socket_channel import connect, read_messages
 from fairbatch.deployments.cluster.wire import RequestMeta
 
@@ -188,6 +189,8 @@ class ReplicaLink:
             async for items in self._messages():
                 for item in items:
                     rid = item.request_id
+                    if trace.ON:
+                        trace.mark(rid, "received")
                     queue = self.queues.get(rid)
                     if queue is not None:
                         queue.put_nowait(item)

@@ -34,6 +34,7 @@ from typing import Any
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
 
+from fairbatch.deployments.cluster import trace
 from fairbatch.deployments.cluster.channel import (
     DriverOwner,
     LinkLost,
@@ -177,6 +178,8 @@ class ClusterClient:
         finished = False
         replica_id, handle = "", None
         rid = meta.request_id
+        if trace.ON:
+            trace.begin(rid, tenant, "client")
         self._expected.add(rid)
         try:
             while True:
@@ -227,6 +230,8 @@ class ClusterClient:
                         _pass_once(item, sent)
                         if item.finished:
                             finished = True
+                        if trace.ON:
+                            trace.mark(rid, "yielded")
                         yield item
                         if finished:
                             return
@@ -410,6 +415,9 @@ class AdmissionBatcher:
             if not batch:
                 continue
             try:
+                if trace.ON:
+                    for m in batch:
+                        trace.mark(m.request_id, "submit_sent")
                 ref = self.controller().submit_many.remote(self.subscriber, batch)
                 await asyncio.wait_for(ref, timeout=30.0)
                 delay = 0.05

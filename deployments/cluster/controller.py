@@ -25,6 +25,7 @@ from typing import Any
 
 import ray
 
+from fairbatch.deployments.cluster import trace
 from fairbatch.deployments.cluster.autoscaling import (
     Autoscaler,
     Requeue,
@@ -129,6 +130,8 @@ class Controller:
         owner = self._subscriber_owner.get(subscriber)
         for meta in metas:
             rid = meta.request_id
+            if trace.ON:
+                trace.begin(rid, meta.tenant, "controller")
             if owner is not None and meta.consumer is not None:
                 self._consumer_owner.setdefault(meta.consumer, owner)
             where = self.core.where(rid)
@@ -535,6 +538,9 @@ class Controller:
                 owner = self._consumer_owner.get(consumer)
                 if owner is not None:
                     self._owner_sent.add((replica_id, consumer))
+            if trace.ON:
+                for meta in metas:
+                    trace.mark(meta.request_id, "forwarded")
             ref = self.handles[replica_id].submit.remote(consumer, metas, owner, True)
             self._spawn(self._forwarded(ref, metas))
 

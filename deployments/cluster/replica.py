@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from fairbatch.deployments.cluster import trace
 from fairbatch.deployments.cluster.channel import CHANNEL_BACKPRESSURE, DriverOwner, Outbox
 from fairbatch.deployments.cluster.socket_channel import (
     ChannelServer,
@@ -228,6 +229,18 @@ def _node_address() -> str:
     return "127.0.0.1"
 
 
+def _trace_step(request_id: str, clock: trace.StepClock) -> None:
+    """The step that made the request's delta (the first one counts), and its arrival here."""
+    for point, value in (
+        ("step_start", clock.start),
+        ("step_end", clock.end),
+        ("step_cpu", clock.cpu),
+        ("step_wait", clock.wait),
+        ("delivered", None),
+    ):
+        trace.mark(request_id, point, value)
+
+
 def owner_key(owner: Any) -> str:
     """An owner's id, for stats: the actor's id, or "job:<id>" for a driver."""
     if isinstance(owner, DriverOwner):
@@ -255,6 +268,8 @@ class Replica:
             sink=self._deliver,
             thread_niceness=engine_thread_niceness(config, self.core),
         )
+        if trace.ON:
+            self.engine.step_clock = trace.StepClock()
         self._routes: dict[str, _Route] = {}  # request id -> where its items go
         self._boxes: dict[str, Outbox] = {}  # consumer id -> its unread items
         # consumers found dead (oldest first, at most DEAD_CONSUMERS_KEPT): a submission for one
@@ -305,6 +320,8 @@ class Replica:
         seen: set[str] = set()
         for i, meta in enumerate(metas):
             rid = meta.request_id
+            if trace.ON:
+                trace.begin(rid, meta.tenant, "replica")
             route = self._routes.get(rid)
             if forwarded and route is not None and route.box is box:
                 continue
@@ -394,7 +411,9 @@ class Replica:
 
         def add_all() -> list[str | None]:
             out: list[str | None] = []
-            for *_, add in batch:
+            for _, rid, *_, add in batch:
+                if trace.ON:
+                    trace.mark(rid, "engine_added")
                 try:
                     add()
                     out.append(None)
@@ -467,6 +486,9 @@ class Replica:
                 return
             items = box.take()
             if items:
+                if trace.ON:
+                    for item in items:
+                        trace.mark(item.request_id, "sent")
                 yield items
 
     def _outbox(self, consumer: str, owner: Any = None) -> Outbox:
@@ -486,10 +508,13 @@ class Replica:
                 self._end(rid, StreamItem([], "", True, "error", error=error, request_id=rid))
             return
         steps, replica_id, routes = self.engine.num_steps, self.replica_id, self._routes
+        clock = self.engine.step_clock
         for d in deltas:
             route = routes.get(d.request_id)
             if route is None:
                 continue
+            if clock is not None:
+                _trace_step(d.request_id, clock)
             route.num_out += len(d.token_ids)
             item = StreamItem(
                 d.token_ids,
