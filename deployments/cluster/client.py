@@ -36,13 +36,14 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError,
 
 from fairbatch.deployments.cluster import trace
 from fairbatch.deployments.cluster.channel import (
+    SOCKET_CONNECT_TIMEOUT_S,
     DriverOwner,
     LinkLost,
     ReplicaLink,
     RequestRefused,
     check_transport,
 )
-from fairbatch.deployments.cluster.socket_channel import MovePending
+from fairbatch.deployments.cluster.socket_channel import CallClient, MovePending
 from fairbatch.deployments.cluster.wire import (
     FIRST_ONLY,
     Assignment,
@@ -293,7 +294,11 @@ class ClusterClient:
             loop = asyncio.get_running_loop()
             if self._batcher is None or self._batcher.loop is not loop:
                 owner = self.owner()
-                self._batcher = AdmissionBatcher(self._controller, owner=owner and owner[1])
+                self._batcher = AdmissionBatcher(
+                    self._controller,
+                    owner=owner and owner[1],
+                    transport=self.channel_transport,
+                )
             return await self._batcher.admit(meta, self.admit_timeout_s)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.admit_timeout_s
@@ -364,7 +369,9 @@ class AdmissionBatcher:
     long-lived `assignments` stream (which sends each replica's handle once; the batcher puts
     it back in each Assignment). After any error on that stream (the controller restarted)
     it re-subscribes under a new id and resubmits everything still pending: `submit_many` is
-    idempotent per request id and re-sends the assignment of a request already placed."""
+    idempotent per request id and re-sends the assignment of a request already placed.
+    `transport` "socket": `submit_many` goes over the controller's socket (`call_socket`),
+    and over Ray when that fails."""
 
     def __init__(
         self,
@@ -372,8 +379,15 @@ class AdmissionBatcher:
         max_batch: int = 512,
         linger_s: float = 0.001,
         owner: Any = None,
+        transport: str = "socket",
     ) -> None:
         self.controller = controller
+        self.calls = None
+        if check_transport(transport) == "socket":
+            self.calls = CallClient(
+                lambda: self.controller().call_socket.remote(self.base_id),
+                SOCKET_CONNECT_TIMEOUT_S,
+            )
         self.owner = owner  # this process's actor handle or DriverOwner, for the controller
         self.max_batch = max_batch
         self.linger_s = linger_s
@@ -418,8 +432,9 @@ class AdmissionBatcher:
                 if trace.ON:
                     for m in batch:
                         trace.mark(m.request_id, "submit_sent")
-                ref = self.controller().submit_many.remote(self.subscriber, batch)
-                await asyncio.wait_for(ref, timeout=30.0)
+                if not await self._submit_over_socket(batch):
+                    ref = self.controller().submit_many.remote(self.subscriber, batch)
+                    await asyncio.wait_for(ref, timeout=30.0)
                 delay = 0.05
             except asyncio.CancelledError:
                 raise
@@ -429,6 +444,21 @@ class AdmissionBatcher:
                 self.kick.set()
                 await asyncio.sleep(delay)
                 delay = min(1.0, delay * 2)
+
+    async def _submit_over_socket(self, batch: list[RequestMeta]) -> bool:
+        """`submit_many` over the controller's socket; False when it did not get there (then
+        Ray carries it: the call is idempotent)."""
+        if self.calls is None:
+            return False
+        try:
+            call = self.calls.call("submit_many", self.subscriber, batch)
+            await asyncio.wait_for(call, timeout=30.0)
+            return True
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # unreachable, restarting, or the connection broke
+            log.info("submit_many over the controller's socket failed (%r): over Ray", e)
+            return False
 
     async def _read_loop(self) -> None:
         delay = 0.05

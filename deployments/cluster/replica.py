@@ -36,6 +36,8 @@ from fairbatch.deployments.cluster.socket_channel import (
     ChannelServer,
     MovePending,
     Offer,
+    node_address,
+    serve_calls,
     write_messages,
 )
 from fairbatch.deployments.cluster.wire import Moved, ReplicaReport, RequestMeta, StreamItem
@@ -214,19 +216,6 @@ async def owner_is_dead(owner: Any, timeout_s: float) -> bool:
     except Exception:
         return False
     return any(job.is_dead for job_id, job in jobs.items() if job_id.hex() == owner.job_id)
-
-
-def _node_address() -> str:
-    """The address other processes reach this one at: Ray's node address (loopback outside
-    Ray)."""
-    try:
-        import ray
-
-        if ray.is_initialized():
-            return ray.util.get_node_ip_address()
-    except Exception:
-        pass
-    return "127.0.0.1"
 
 
 def _trace_step(request_id: str, clock: trace.StepClock) -> None:
@@ -449,10 +438,21 @@ class Replica:
     async def channel_socket(self, consumer: str, owner: Any = None) -> Offer:
         """The consumer's channel as a TCP socket of its own (`socket_channel`): where to
         connect, with the tokens that prove both ends. The channel opens on connecting."""
-        if self._socket is None:
-            self._socket = ChannelServer(_node_address(), self._serve_socket)
         self._watch(self._outbox(consumer, owner))
-        return await self._socket.offer(consumer)
+        return await self._channel_server().offer(consumer)
+
+    async def call_socket(self, caller: str) -> Offer:
+        """An offer of calls over this replica's socket (`socket_channel.CallClient`): the
+        controller's forwarded submissions and preemptions."""
+        return await self._channel_server().offer(caller, self._serve_calls)
+
+    def _channel_server(self) -> ChannelServer:
+        if self._socket is None:
+            self._socket = ChannelServer(node_address(), self._serve_socket)
+        return self._socket
+
+    async def _serve_calls(self, caller: str, reader: Any, writer: Any) -> None:
+        await serve_calls({"submit": self.submit, "preempt": self.preempt}, reader, writer)
 
     async def _serve_socket(self, consumer: str, reader: Any, writer: Any) -> None:
         async def framed():

@@ -156,3 +156,147 @@ def test_a_connection_cut_inside_a_frame_is_an_error_not_an_end():
         return got
 
     assert run(main()) == [["whole"]]
+
+
+# ---- calls --------------------------------------------------------------------------------
+
+
+def test_calls_get_their_own_answers_and_a_raise_comes_back_as_call_failed():
+    from fairbatch.deployments.cluster.socket_channel import CallClient, CallFailed, serve_calls
+
+    started: list[int] = []
+
+    async def main():
+        async def echo(i, delay):
+            started.append(i)
+            await asyncio.sleep(delay)
+            return i * 10
+
+        async def boom():
+            raise ValueError("no such request")
+
+        async def serve(caller, reader, writer):
+            await serve_calls({"echo": echo, "boom": boom}, reader, writer)
+
+        server = ChannelServer("127.0.0.1", lambda *a: None)
+        offers = []
+
+        async def get_offer():
+            offers.append(await server.offer("controller", serve))
+            return offers[-1]
+
+        client = CallClient(get_offer, 5)
+        # answers out of order (later calls are quicker); each call gets its own
+        got = await asyncio.gather(*(client.call("echo", i, 0.05 - i * 0.01) for i in range(5)))
+        with pytest.raises(CallFailed, match="ValueError: no such request"):
+            await client.call("boom")
+        assert await client.call("echo", 7, 0) == 70  # the connection lives on after a raise
+        client.close()
+        server.close()
+        return got, len(offers)
+
+    got, connects = run(main())
+    assert got == [0, 10, 20, 30, 40]
+    assert started[:5] == [0, 1, 2, 3, 4]  # started in the order they were sent
+    assert connects == 1  # one connection for all of them
+
+
+def test_a_broken_connection_fails_its_calls_and_the_next_call_reconnects():
+    from fairbatch.deployments.cluster.socket_channel import CallClient, serve_calls
+
+    async def main():
+        hold = asyncio.Event()
+        writers = []
+
+        async def wait():
+            await hold.wait()
+            return "late"
+
+        async def hello():
+            return "hello"
+
+        async def serve(caller, reader, writer):
+            writers.append(writer)
+            await serve_calls({"wait": wait, "hello": hello}, reader, writer)
+
+        server = ChannelServer("127.0.0.1", lambda *a: None)
+
+        async def get_offer():
+            return await server.offer("controller", serve)
+
+        client = CallClient(get_offer, 5)
+        pending = asyncio.ensure_future(client.call("wait"))
+        await asyncio.sleep(0.1)
+        writers[0].transport.abort()  # the peer's process died
+        with pytest.raises(ConnectionError):
+            await pending
+        answer = await client.call("hello")  # a new connection
+        client.close()
+        server.close()
+        return answer, len(writers)
+
+    assert run(main()) == ("hello", 2)
+
+
+def test_an_unreachable_socket_fails_at_once_until_it_is_tried_again():
+    import time
+
+    from fairbatch.deployments.cluster.socket_channel import CallClient
+
+    async def main():
+        asked = []
+
+        async def get_offer():  # an offer whose port nothing listens on
+            asked.append(time.monotonic())
+            sock = __import__("socket").socket()
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+            sock.close()
+            return Offer("127.0.0.1", port, os.urandom(TOKEN_BYTES), os.urandom(TOKEN_BYTES))
+
+        client = CallClient(get_offer, 1.0, retry_after_s=0.3)
+        for _ in range(3):
+            with pytest.raises((ConnectionError, OSError)):
+                await client.call("hello")
+        first = len(asked)
+        await asyncio.sleep(0.35)
+        with pytest.raises((ConnectionError, OSError)):
+            await client.call("hello")
+        return first, len(asked)
+
+    assert run(main()) == (1, 2)  # one connect tried, then none until retry_after_s had passed
+
+
+def test_a_call_runs_to_its_end_when_the_caller_goes_away():
+    # (a submission cut off halfway would leave a request routed on the replica, never run)
+    from fairbatch.deployments.cluster.socket_channel import CallClient, serve_calls
+
+    async def main():
+        hold, done = asyncio.Event(), asyncio.Event()
+
+        async def slow():
+            await hold.wait()
+            done.set()
+            return "late"
+
+        async def serve(caller, reader, writer):
+            await serve_calls({"slow": slow}, reader, writer)
+
+        server = ChannelServer("127.0.0.1", lambda *a: None)
+
+        async def get_offer():
+            return await server.offer("controller", serve)
+
+        client = CallClient(get_offer, 5)
+        pending = asyncio.ensure_future(client.call("slow"))
+        await asyncio.sleep(0.1)
+        client.close()  # the caller goes away mid-call
+        with pytest.raises((ConnectionError, asyncio.CancelledError)):
+            await pending
+        await asyncio.sleep(0.1)
+        hold.set()
+        await asyncio.wait_for(done.wait(), 5)  # the call still ran to its end
+        server.close()
+        return True
+
+    assert run(main())
