@@ -161,8 +161,26 @@ def test_a_connection_cut_inside_a_frame_is_an_error_not_an_end():
 # ---- calls --------------------------------------------------------------------------------
 
 
+def call_server(handlers: dict, writers: list | None = None):
+    """A server answering `handlers`, and the `get_offer` a CallClient asks it with (each
+    connection's writer goes to `writers`)."""
+    from fairbatch.deployments.cluster.socket_channel import serve_calls
+
+    async def serve(caller, reader, writer):
+        if writers is not None:
+            writers.append(writer)
+        await serve_calls(handlers, reader, writer)
+
+    server = ChannelServer("127.0.0.1", lambda *a: None)
+
+    async def get_offer():
+        return await server.offer("controller", serve)
+
+    return server, get_offer
+
+
 def test_calls_get_their_own_answers_and_a_raise_comes_back_as_call_failed():
-    from fairbatch.deployments.cluster.socket_channel import CallClient, CallFailed, serve_calls
+    from fairbatch.deployments.cluster.socket_channel import CallClient, CallFailed
 
     started: list[int] = []
 
@@ -175,14 +193,11 @@ def test_calls_get_their_own_answers_and_a_raise_comes_back_as_call_failed():
         async def boom():
             raise ValueError("no such request")
 
-        async def serve(caller, reader, writer):
-            await serve_calls({"echo": echo, "boom": boom}, reader, writer)
-
-        server = ChannelServer("127.0.0.1", lambda *a: None)
+        server, offer = call_server({"echo": echo, "boom": boom})
         offers = []
 
         async def get_offer():
-            offers.append(await server.offer("controller", serve))
+            offers.append(await offer())
             return offers[-1]
 
         client = CallClient(get_offer, 5)
@@ -202,7 +217,7 @@ def test_calls_get_their_own_answers_and_a_raise_comes_back_as_call_failed():
 
 
 def test_a_broken_connection_fails_its_calls_and_the_next_call_reconnects():
-    from fairbatch.deployments.cluster.socket_channel import CallClient, serve_calls
+    from fairbatch.deployments.cluster.socket_channel import CallClient
 
     async def main():
         hold = asyncio.Event()
@@ -215,15 +230,7 @@ def test_a_broken_connection_fails_its_calls_and_the_next_call_reconnects():
         async def hello():
             return "hello"
 
-        async def serve(caller, reader, writer):
-            writers.append(writer)
-            await serve_calls({"wait": wait, "hello": hello}, reader, writer)
-
-        server = ChannelServer("127.0.0.1", lambda *a: None)
-
-        async def get_offer():
-            return await server.offer("controller", serve)
-
+        server, get_offer = call_server({"wait": wait, "hello": hello}, writers)
         client = CallClient(get_offer, 5)
         pending = asyncio.ensure_future(client.call("wait"))
         await asyncio.sleep(0.1)
@@ -269,7 +276,7 @@ def test_an_unreachable_socket_fails_at_once_until_it_is_tried_again():
 
 def test_a_call_runs_to_its_end_when_the_caller_goes_away():
     # (a submission cut off halfway would leave a request routed on the replica, never run)
-    from fairbatch.deployments.cluster.socket_channel import CallClient, serve_calls
+    from fairbatch.deployments.cluster.socket_channel import CallClient
 
     async def main():
         hold, done = asyncio.Event(), asyncio.Event()
@@ -279,14 +286,7 @@ def test_a_call_runs_to_its_end_when_the_caller_goes_away():
             done.set()
             return "late"
 
-        async def serve(caller, reader, writer):
-            await serve_calls({"slow": slow}, reader, writer)
-
-        server = ChannelServer("127.0.0.1", lambda *a: None)
-
-        async def get_offer():
-            return await server.offer("controller", serve)
-
+        server, get_offer = call_server({"slow": slow})
         client = CallClient(get_offer, 5)
         pending = asyncio.ensure_future(client.call("slow"))
         await asyncio.sleep(0.1)
