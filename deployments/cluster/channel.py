@@ -33,7 +33,7 @@ from typing import Any
 from ray.exceptions import RayActorError
 
 from fairbatch.deployments.cluster import trace
-from fairbatch.deployments.cluster.socket_channel import connect, read_messages
+from fairbatch.deployments.cluster.socket_channel import CONNECT_TIMEOUT_S, connect, read_messages
 from fairbatch.deployments.cluster.wire import RequestMeta
 
 log = logging.getLogger(__name__)
@@ -41,7 +41,6 @@ log = logging.getLogger(__name__)
 # Messages a channel may have in flight that the consumer has not read (Ray's generator
 # backpressure): past that the replica's stream waits, and deltas gather in the outbox.
 CHANNEL_BACKPRESSURE = 8
-SOCKET_CONNECT_TIMEOUT_S = 5.0  # past that the channel falls back to a Ray stream
 TRANSPORTS = ("socket", "ray")
 
 
@@ -210,7 +209,7 @@ class ReplicaLink:
         if self.transport == "socket":
             offer = await self.handle.channel_socket.remote(self.consumer, self.owner)
             try:
-                reader, writer = await connect(offer, SOCKET_CONNECT_TIMEOUT_S)
+                reader, writer = await connect(offer, CONNECT_TIMEOUT_S)
             except (OSError, asyncio.TimeoutError) as e:
                 log.warning(
                     "channel socket of replica %s at %s:%d unreachable (%r): reading its channel "

@@ -36,7 +36,6 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError,
 
 from fairbatch.deployments.cluster import trace
 from fairbatch.deployments.cluster.channel import (
-    SOCKET_CONNECT_TIMEOUT_S,
     DriverOwner,
     LinkLost,
     ReplicaLink,
@@ -382,12 +381,9 @@ class AdmissionBatcher:
         transport: str = "socket",
     ) -> None:
         self.controller = controller
-        self.calls = None
-        if check_transport(transport) == "socket":
-            self.calls = CallClient(
-                lambda: self.controller().call_socket.remote(self.base_id),
-                SOCKET_CONNECT_TIMEOUT_S,
-            )
+        self.calls = None  # (`transport` was checked by the ClusterClient)
+        if transport == "socket":
+            self.calls = CallClient(lambda: self.controller().call_socket.remote(self.base_id))
         self.owner = owner  # this process's actor handle or DriverOwner, for the controller
         self.max_batch = max_batch
         self.linger_s = linger_s

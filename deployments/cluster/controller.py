@@ -34,7 +34,6 @@ from fairbatch.deployments.cluster.autoscaling import (
     drained,
     measure,
 )
-from fairbatch.deployments.cluster.channel import SOCKET_CONNECT_TIMEOUT_S
 from fairbatch.deployments.cluster.fairness import (
     Assign,
     ControllerConfig,
@@ -604,7 +603,7 @@ class Controller:
         client = self._calls.get(replica_id)
         if client is None:
             caller = f"controller.{self.incarnation}"
-            client = CallClient(lambda: handle.call_socket.remote(caller), SOCKET_CONNECT_TIMEOUT_S)
+            client = CallClient(lambda: handle.call_socket.remote(caller))
             self._calls[replica_id] = client
         return client
 

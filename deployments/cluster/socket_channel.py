@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 TOKEN_BYTES = 16
 OFFER_TTL_S = 60.0  # an offer not taken up by then is void
 HANDSHAKE_TIMEOUT_S = 10.0
+CONNECT_TIMEOUT_S = 5.0  # a socket not reached by then: its caller falls back to Ray
 MAX_FRAME = 1 << 30
 _LEN = 4
 
@@ -287,7 +288,10 @@ class CallClient:
     not one per call)."""
 
     def __init__(
-        self, get_offer: Callable[[], Any], connect_timeout_s: float, retry_after_s: float = 30.0
+        self,
+        get_offer: Callable[[], Any],
+        connect_timeout_s: float = CONNECT_TIMEOUT_S,
+        retry_after_s: float = 30.0,
     ) -> None:
         self.get_offer = get_offer
         self.connect_timeout_s = connect_timeout_s
