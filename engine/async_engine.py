@@ -1,7 +1,11 @@
 """AsyncEngine: the step loop in the background, requests as async streams of deltas.
 
 Every touch of the EngineCore (steps, adds, aborts, controller hooks) runs on one dedicated
-thread, so the core needs no locks and the event loop stays free while a forward runs.
+thread, so the core needs no locks and the event loop stays free while a forward runs. The
+step loop itself runs on that thread: the next step starts as soon as one ends (after the calls
+that came in meanwhile), and the event loop hands the deltas out while it runs - no round trip
+through the event loop between two steps. Ahead of the delivery by at most
+`MAX_UNDELIVERED_STEPS` steps.
 
 Two ways out: `generate`/`resume` give one async stream per request (a local server), or a
 `sink` gets every step's deltas of the requests added with `add` as one list (the Ray replica,
@@ -11,6 +15,7 @@ which sends each consumer one message per step, not one per token per request).
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import functools
 import logging
@@ -18,6 +23,7 @@ import os
 import sys
 import threading
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -44,6 +50,11 @@ class EngineDeadError(RuntimeError):
 
 
 class AsyncEngine:
+    # Steps whose deltas may wait for the event loop at once: the engine runs at most this far
+    # ahead of the delivery, so a slow event loop holds the steps back instead of piling up
+    # callbacks (and memory) behind it.
+    MAX_UNDELIVERED_STEPS = 2
+
     def __init__(
         self,
         engine: EngineCore,
@@ -53,46 +64,66 @@ class AsyncEngine:
     ) -> None:
         self.engine = engine
         # called on the event loop with each step's deltas of requests added by `add` (not
-        # streamed by `generate`), or once with the exception that stopped the loop
+        # streamed by `generate`), or once with the exception that stopped the steps
         self._sink = sink
         # `thread_niceness` > 0 runs the engine thread that many nice levels below its process:
         # where the cores are short, the process's event loop (new requests, the channel) and
         # the serving plane beside it get the CPU first, and the steps take what is left.
-        self._thread = concurrent.futures.ThreadPoolExecutor(
-            1,
-            thread_name_prefix="engine",
-            initializer=lower_thread_priority,
-            initargs=(thread_niceness,),
-        )
-        self._streams: dict[str, asyncio.Queue] = {}
-        self._wake: asyncio.Event | None = None
-        self._task: asyncio.Task | None = None
-        self._error: BaseException | None = None
+        self._niceness = thread_niceness
         self._step_hook = step_hook  # called on the engine thread after each step (pacing)
-        self.step_clock: Any = None  # times each step when set (begin() and stop())
-        self.num_steps = 0
+        self.step_clock: Any = None  # times each step when set: begin(), then stop() -> times
+        self.num_steps = 0  # steps run (on the engine thread, which may be ahead of delivery)
+        # Set on the event loop while a step's deltas are handed out: that step's number and
+        # its times from `step_clock` (None without one).
+        self.delivered_step = 0
+        self.delivered_times: Any = None
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None  # where the deltas go
+        self._thread: threading.Thread | None = None
+        # Guards what the two threads share: the calls waiting for the engine thread, the
+        # steps not yet delivered, the stop flag.
+        self._cond = threading.Condition()
+        self._calls: collections.deque[tuple[Callable[[], Any], concurrent.futures.Future]] = (
+            collections.deque()
+        )
+        self._undelivered = 0
+        self._stopping = False
+        self._error: BaseException | None = None  # the step's that stopped the steps
 
     # ---- lifecycle --------------------------------------------------------------------------
 
     def _ensure_started(self) -> None:
-        if self._task is None:
-            self._wake = asyncio.Event()
-            self._task = asyncio.get_running_loop().create_task(self._loop())
+        if self._thread is None:
+            self._loop = asyncio.get_running_loop()
+            self._thread = threading.Thread(target=self._run, name="engine")
+            _LIVE.add(self)
+            self._thread.start()
 
     async def shutdown(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except BaseException:  # cancelled, or a failed step (every stream and the sink had it)
-                pass
-            self._task = None
-        self._thread.shutdown(wait=True)
+        """Stop the engine thread (after the step it is in) and end the open streams."""
+        self._stop()
+        thread = self._thread
+        if thread is not None:
+            await asyncio.get_running_loop().run_in_executor(None, thread.join)
+        dead = EngineDeadError("the engine was shut down")
+        for queue in self._streams.values():
+            queue.put_nowait(dead)
+
+    def _stop(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
 
     async def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Run `fn(*args)` on the engine thread, between steps."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._thread, lambda: fn(*args, **kwargs))
+        """Run `fn(*args)` on the engine thread, between steps (in the order called)."""
+        self._ensure_started()
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cond:
+            if self._stopping:
+                raise EngineDeadError("the engine was shut down")
+            self._calls.append((functools.partial(fn, *args, **kwargs), future))
+            self._cond.notify()
+        return await asyncio.wrap_future(future)
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -124,10 +155,7 @@ class AsyncEngine:
         self._ensure_started()
         if self._error is not None:
             raise EngineDeadError(str(self._error))
-        result = await self.call(add)
-        assert self._wake is not None
-        self._wake.set()
-        return result
+        return await self.call(add)
 
     async def _stream(self, rid: str, add: Callable[[], Any]) -> AsyncIterator[RequestDelta]:
         if rid in self._streams:
@@ -140,8 +168,6 @@ class AsyncEngine:
         except BaseException:
             self._streams.pop(rid, None)
             raise
-        assert self._wake is not None
-        self._wake.set()
         finished = False
         try:
             while True:
@@ -164,44 +190,108 @@ class AsyncEngine:
             queue.put_nowait(RequestDelta(request_id, [], "", True, "abort"))
         return ok
 
-    # ---- the loop ---------------------------------------------------------------------------
+    # ---- the engine thread -------------------------------------------------------------------
 
-    def _step(self) -> list[RequestDelta]:
+    def _run(self) -> None:
+        """The engine thread: the calls waiting, then a step while there is work, in a loop. The
+        next step starts as soon as this one ends; its deltas reach the event loop meanwhile.
+        After a failed step it only runs calls (aborts, stats), until stopped."""
+        lower_thread_priority(self._niceness)
+        while True:
+            with self._cond:
+                while not (self._stopping or self._calls or self._may_step()):
+                    self._cond.wait()
+                if self._stopping:
+                    break
+                calls = list(self._calls)
+                self._calls.clear()
+            for fn, future in calls:
+                if future.set_running_or_notify_cancel():  # (not if its caller went away)
+                    try:
+                        future.set_result(fn())
+                    except BaseException as e:
+                        future.set_exception(e)
+            with self._cond:
+                if not self._may_step():
+                    continue
+                self._undelivered += 1
+            times = None
+            try:
+                deltas: list[RequestDelta] | BaseException
+                deltas, times = self._step()
+            except BaseException as e:  # no stream may hang waiting for it
+                self._error = deltas = e
+            if not self._post(deltas, self.num_steps, times):
+                break
+        with self._cond:  # stopped: what was still to run fails, and so will any new call
+            self._stopping = True
+            calls = list(self._calls)
+            self._calls.clear()
+        for _, future in calls:
+            if future.set_running_or_notify_cancel():
+                future.set_exception(EngineDeadError("the engine was shut down"))
+
+    def _may_step(self) -> bool:
+        return (
+            self._error is None
+            and self._undelivered < self.MAX_UNDELIVERED_STEPS
+            and self.engine.has_unfinished()
+        )
+
+    def _step(self) -> tuple[list[RequestDelta], Any]:
         clock = self.step_clock
         if clock is not None:
             clock.begin()
         deltas = self.engine.step()
-        if clock is not None:
-            clock.stop()
+        times = clock.stop() if clock is not None else None
         self.num_steps += 1
         if self._step_hook is not None:
             self._step_hook()
-        return deltas
+        return deltas, times
 
-    async def _loop(self) -> None:
-        assert self._wake is not None
+    def _post(self, deltas: list[RequestDelta] | BaseException, step: int, times: Any) -> bool:
+        """Hand a step's deltas (or its exception) to the event loop; False once it is closed."""
+        assert self._loop is not None
         try:
-            while True:
-                if not self.engine.has_unfinished():
-                    self._wake.clear()
-                    await self._wake.wait()
-                    continue
-                rest: list[RequestDelta] = []
-                for delta in await self.call(self._step):
-                    queue = self._streams.get(delta.request_id)
-                    if queue is not None:
-                        queue.put_nowait(delta)
-                    else:
-                        rest.append(delta)
-                if rest and self._sink is not None:
-                    self._sink(rest)
-                await asyncio.sleep(0)  # let streams and new requests in between steps
-        except asyncio.CancelledError:
-            raise
-        except BaseException as e:  # a failed step: no stream may hang waiting for it
-            self._error = e
+            self._loop.call_soon_threadsafe(self._deliver, deltas, step, times)
+        except RuntimeError:  # the event loop is closed: nobody is left to stream to
+            return False
+        return True
+
+    def _deliver(self, deltas: list[RequestDelta] | BaseException, step: int, times: Any) -> None:
+        """On the event loop: a step's deltas to their streams, the rest to the sink."""
+        with self._cond:
+            self._undelivered -= 1
+            self._cond.notify()
+        self.delivered_step, self.delivered_times = step, times
+        if isinstance(deltas, BaseException):
             for queue in self._streams.values():
-                queue.put_nowait(e)
+                queue.put_nowait(deltas)
             if self._sink is not None:
-                self._sink(e)
-            raise
+                self._sink(deltas)
+            return
+        rest: list[RequestDelta] = []
+        for delta in deltas:
+            queue = self._streams.get(delta.request_id)
+            if queue is not None:
+                queue.put_nowait(delta)
+            else:
+                rest.append(delta)
+        if rest and self._sink is not None:
+            self._sink(rest)
+
+
+# Engines whose thread runs: stopped when the interpreter exits, as a thread pool's workers are
+# (before non-daemon threads are joined), so that none is inside a step while Python finalizes.
+_LIVE: weakref.WeakSet[AsyncEngine] = weakref.WeakSet()
+
+
+def _stop_all() -> None:
+    for engine in list(_LIVE):
+        engine._stop()
+    for engine in list(_LIVE):
+        if engine._thread is not None and engine._thread is not threading.current_thread():
+            engine._thread.join(timeout=10)
+
+
+threading._register_atexit(_stop_all)  # type: ignore[attr-defined]

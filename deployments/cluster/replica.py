@@ -218,13 +218,13 @@ async def owner_is_dead(owner: Any, timeout_s: float) -> bool:
     return any(job.is_dead for job_id, job in jobs.items() if job_id.hex() == owner.job_id)
 
 
-def _trace_step(request_id: str, clock: trace.StepClock) -> None:
+def _trace_step(request_id: str, times: trace.StepTimes) -> None:
     """The step that made the request's delta (the first one counts), and its arrival here."""
     for point, value in (
-        ("step_start", clock.start),
-        ("step_end", clock.end),
-        ("step_cpu", clock.cpu),
-        ("step_wait", clock.wait),
+        ("step_start", times.start),
+        ("step_end", times.end),
+        ("step_cpu", times.cpu),
+        ("step_wait", times.wait),
         ("delivered", None),
     ):
         trace.mark(request_id, point, value)
@@ -507,14 +507,15 @@ class Replica:
             for rid in list(self._routes):
                 self._end(rid, StreamItem([], "", True, "error", error=error, request_id=rid))
             return
-        steps, replica_id, routes = self.engine.num_steps, self.replica_id, self._routes
-        clock = self.engine.step_clock
+        # (the engine may be a step further by now: these deltas' step is the one delivered)
+        steps, replica_id, routes = self.engine.delivered_step, self.replica_id, self._routes
+        times = self.engine.delivered_times
         for d in deltas:
             route = routes.get(d.request_id)
             if route is None:
                 continue
-            if clock is not None:
-                _trace_step(d.request_id, clock)
+            if times is not None:
+                _trace_step(d.request_id, times)
             route.num_out += len(d.token_ids)
             item = StreamItem(
                 d.token_ids,

@@ -37,6 +37,7 @@ import statistics
 import threading
 import time
 from collections import defaultdict
+from typing import NamedTuple
 
 log = logging.getLogger(__name__)
 
@@ -97,12 +98,23 @@ def mark(request_id: str, point: str, value: float | None = None) -> None:
         _file.write(f"{request_id} {point} {time.monotonic() if value is None else value:.6f}\n")
 
 
+class StepTimes(NamedTuple):
+    """One step's: start and end (time.monotonic), the engine thread's CPU and wait for a
+    core during it (s)."""
+
+    start: float
+    end: float
+    cpu: float
+    wait: float
+
+
 class StepClock:
-    """A step's wall time, and the engine thread's CPU and wait for a core during it."""
+    """Times each step on the engine thread: begin() before it, stop() after, which returns
+    the step's StepTimes."""
 
     def __init__(self) -> None:
-        self.start = self.end = self.cpu = self.wait = 0.0
-        self._stat = None
+        self._stat: str | None = None
+        self._start = self._wait0 = self._cpu0 = 0.0
 
     def _waited(self) -> float:
         if self._stat is None:
@@ -115,12 +127,11 @@ class StepClock:
 
     def begin(self) -> None:
         self._wait0, self._cpu0 = self._waited(), time.thread_time()
-        self.start = time.monotonic()
+        self._start = time.monotonic()
 
-    def stop(self) -> None:
-        self.end = time.monotonic()
-        self.cpu = time.thread_time() - self._cpu0
-        self.wait = self._waited() - self._wait0
+    def stop(self) -> StepTimes:
+        end, cpu = time.monotonic(), time.thread_time() - self._cpu0
+        return StepTimes(self._start, end, cpu, self._waited() - self._wait0)
 
 
 def read(folder: str) -> dict[str, dict[str, float]]:

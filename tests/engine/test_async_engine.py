@@ -1,10 +1,13 @@
 """AsyncEngine: concurrent streams equal the offline results; a closed stream frees its blocks;
-a failed step ends every stream."""
+a failed step ends every stream; the steps run ahead of a busy event loop, within a bound;
+shutdown and interpreter exit stop the engine thread."""
 
 import asyncio
 import os
+import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -136,3 +139,75 @@ def test_a_failed_step_ends_every_stream_and_calls_still_run():
     assert len(got[0]) == 3 and len(got[1]) in (2, 3) and still == "called"
     assert [r[: len(g)] for r, g in zip(ref, got)] == got
     assert len(sunk) == 1 and "fell off" in str(sunk[0])
+
+
+def test_steps_run_ahead_of_a_busy_event_loop_by_at_most_the_bound():
+    """The step loop runs on the engine thread: while the event loop is busy (here: blocked
+    for 0.3 s), the engine goes on stepping - exactly MAX_UNDELIVERED_STEPS steps past the last
+    one the event loop handed out, then waits for it. The tokens stay the offline ones."""
+    long = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    ref = LLM("tiny", num_gpu_blocks=128).generate(["run ahead"], long)[0].token_ids
+
+    async def main():
+        engine = AsyncEngine(
+            build_engine("tiny", num_gpu_blocks=128), step_hook=lambda: time.sleep(0.002)
+        )
+        tokens, ahead = [], []
+        async for d in engine.generate("run ahead", long):
+            tokens += d.token_ids
+            if len(tokens) in (5, 20, 40):
+                time.sleep(0.3)  # the event loop blocked: nothing is delivered meanwhile
+                ahead.append(engine.num_steps - engine.delivered_step)
+        await engine.shutdown()
+        return tokens, ahead
+
+    tokens, ahead = asyncio.run(main())
+    assert tokens == ref
+    assert ahead == [AsyncEngine.MAX_UNDELIVERED_STEPS] * 3
+
+
+def test_shutdown_ends_open_streams_and_later_calls_fail():
+    async def main():
+        engine = AsyncEngine(
+            build_engine("tiny", num_gpu_blocks=128), step_hook=lambda: time.sleep(0.002)
+        )
+        long = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
+        got = []
+
+        async def stream():
+            with pytest.raises(EngineDeadError, match="shut down"):
+                async for d in engine.generate("a long request", long):
+                    got.extend(d.token_ids)
+
+        task = asyncio.ensure_future(stream())
+        while len(got) < 3:
+            await asyncio.sleep(0.01)
+        await asyncio.wait_for(engine.shutdown(), 5)
+        await asyncio.wait_for(task, 5)
+        with pytest.raises(EngineDeadError, match="shut down"):
+            await engine.call(lambda: "too late")
+        return len(got)
+
+    assert 3 <= asyncio.run(main()) < 500
+
+
+def test_an_engine_left_running_does_not_hold_the_interpreter_at_exit():
+    """A process that returns with a request still stepping exits (the engine thread stops at
+    interpreter exit, after its step), and cleanly."""
+    code = (
+        "import asyncio\n"
+        "from fairbatch.engine import SamplingParams\n"
+        "from fairbatch.engine.async_engine import AsyncEngine\n"
+        "from fairbatch.engine.llm import build_engine\n"
+        "async def main():\n"
+        "    engine = AsyncEngine(build_engine('tiny', num_gpu_blocks=128))\n"
+        "    p = SamplingParams(temperature=0, max_tokens=100000, ignore_eos=True)\n"
+        "    stream = engine.generate('never ends', p)\n"
+        "    await stream.__anext__()\n"
+        "    print('streaming', flush=True)\n"
+        "loop = asyncio.new_event_loop()\n"
+        "loop.run_until_complete(main())\n"  # the loop stays open: the engine can post to it
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "streaming\n"
