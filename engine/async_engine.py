@@ -46,7 +46,7 @@ def lower_thread_priority(niceness: int) -> None:
 
 
 class EngineDeadError(RuntimeError):
-    """The step loop failed; every open stream ends with this error."""
+    """The step loop failed or was shut down; every open stream ends with this error."""
 
 
 class AsyncEngine:
@@ -88,7 +88,7 @@ class AsyncEngine:
         )
         self._undelivered = 0
         self._stopping = False
-        self._error: BaseException | None = None  # the step's that stopped the steps
+        self._error: BaseException | None = None  # what the step that failed raised
 
     # ---- lifecycle --------------------------------------------------------------------------
 
