@@ -10,6 +10,13 @@ The same requests (token-id prompts, greedy, `ignore_eos`, a fixed number of str
     (`--channels`, default socket; a `ray` row is named `serve_http@50ms/ray`);
   * `handle@<ms>`: the same app through its handle API (`generate`, streamed) from this driver.
 
+`--sim-time-scale S` (S > 0) puts simulated replicas paced like a GPU (`model: sim`, `engine:
+{time_scale: S}`) in place of the tiny model: a step then costs the modelled GPU time and next
+to no CPU, as on a GPU node, so what the Serve paths lose is replica time the plane leaves
+idle. `offline` is then one such engine (the seats of one replica, its share of the requests)
+stepped back to back in this process, its rate times the replicas: what the replicas would
+deliver with nothing between them and the client. `local_http` runs the tiny model only.
+
 For each: output tokens/s and its ratio to offline; TTFT, TPOT and ITL p50/p99 (ITL: the gaps
 between the chunks a client receives, so coalescing lengthens it while TPOT stays); and the CPU
 seconds each process role spent per 1,000 output tokens, read with psutil from every process on
@@ -47,6 +54,7 @@ ROLES = (  # process title prefix -> role (Ray sets the titles of its workers)
     ("ray::ProxyActor", "proxy"),
 )
 PATHS = ("offline", "local_http", "serve_http", "handle")
+PATHS_DEFAULT = ",".join(PATHS)
 WARMUP_REQUESTS = 8
 
 
@@ -255,6 +263,48 @@ def offline_run(ids: list[list[int]], wl: dict, seats: int) -> dict:
     return measure("offline", go, wl)
 
 
+def sim_offline_run(ids: list[list[int]], wl: dict) -> dict:
+    """One paced simulated engine with one replica's seats and its share of the requests,
+    stepped back to back; the row's rate is that times the replicas (independent GPUs)."""
+    from fairbatch.deployments.cluster.replica import ReplicaConfig, build_core
+    from fairbatch.engine import SamplingParams
+    from fairbatch.engine.tokenizer import Tokenizer
+
+    cfg = ReplicaConfig(
+        engine="sim",
+        max_num_seqs=wl["seats"],
+        num_gpu_blocks=wl["num_gpu_blocks"],
+        sim_vocab=Tokenizer.tiny().vocab_size,
+    )
+    core = build_core(cfg)
+    params = SamplingParams(max_tokens=wl["output_len"], temperature=0.0, ignore_eos=True)
+    share = ids[: max(1, len(ids) // wl["replicas"])]
+
+    def go():
+        t0 = time.perf_counter()
+        for i, prompt in enumerate(share):
+            core.add_request(prompt, params, request_id=str(i))
+        tokens: dict[str, int] = dict.fromkeys(map(str, range(len(share))), 0)
+        reasons: dict[str, str] = {}
+        while core.has_unfinished():
+            for d in core.step():
+                tokens[d.request_id] += len(d.token_ids)
+                if d.finished:
+                    reasons[d.request_id] = d.finish_reason or ""
+            cost = core.runner.last_cost
+            if cost is not None:
+                time.sleep(cost.total_s * wl["time_scale"])
+        duration = time.perf_counter() - t0
+        # the replicas run side by side: each its share in this time
+        rows = [
+            _result(i, wl, t0, [], tokens[str(i % len(share))], reasons[str(i % len(share))], None)
+            for i in range(len(share) * wl["replicas"])
+        ]
+        return rows, duration
+
+    return measure("offline", go, wl)
+
+
 def local_http_run(ids: list[list[int]], wl: dict, seats: int) -> dict:
     from fairbatch.benchmarks.serve_server import LocalServer
 
@@ -303,16 +353,22 @@ def _serve_paths(loop: _Loop, ids: list[list[int]], wl: dict, paths: list[str], 
     serve.start(http_options={"host": "127.0.0.1", "port": proxy_port})
     for interval in wl["intervals"]:
         for channel in wl["channels"]:
+            engine: dict[str, Any] = {
+                "max_num_seqs": wl["seats"],
+                "num_gpu_blocks": wl["num_gpu_blocks"],
+            }
+            if wl["model"] == "sim":
+                engine["time_scale"] = wl["time_scale"]
             args = {
-                "model": "tiny",
+                "model": wl["model"],
                 "num_replicas": wl["replicas"],
-                "engine": {"max_num_seqs": wl["seats"], "num_gpu_blocks": wl["num_gpu_blocks"]},
+                "engine": engine,
                 "stream_interval_ms": interval,
                 "channel_transport": channel,
             }
             handle = serve.run(build_app(args), name=APP_NAME, route_prefix="/")
             url = ingress_url(APP_NAME, f"http://127.0.0.1:{proxy_port}")
-            model = "fairbatch-tiny"
+            model = f"fairbatch-{wl['model']}"
             suffix = "" if channel == "socket" else f"/{channel}"
             if "serve_http" in paths:
                 loop.run(http_run(url, model, ids[:WARMUP_REQUESTS], wl, 8))
@@ -369,7 +425,12 @@ def workload(args: argparse.Namespace) -> dict:
         return int(spec.split(":", 1)[1])
 
     replicas = args.replicas
+    time_scale = getattr(args, "sim_time_scale", 0.0) or 0.0
+    if time_scale < 0:
+        raise SystemExit(f"--sim-time-scale must be >= 0, got {time_scale}")
     return {
+        "model": "sim" if time_scale > 0 else "tiny",
+        "time_scale": time_scale,
         "num_requests": args.num_prompts or 128,
         "prompt_len": fixed(args.input_len, 64),
         "output_len": fixed(args.output_len, 128),
@@ -486,6 +547,10 @@ def run(args: argparse.Namespace, result: dict, out: Path) -> str:
     unknown = sorted(set(paths) - set(PATHS))
     if unknown:
         raise SystemExit(f"--paths: unknown {', '.join(unknown)}; known: {', '.join(PATHS)}")
+    if wl["model"] == "sim" and "local_http" in paths:
+        if args.paths != PATHS_DEFAULT:
+            raise SystemExit("--paths local_http runs the tiny model only, not --sim-time-scale")
+        paths.remove("local_http")
     from fairbatch.engine.tokenizer import Tokenizer
 
     ids = prompts(wl["num_requests"], wl["prompt_len"], Tokenizer.tiny().vocab_size, args.seed)
@@ -497,7 +562,8 @@ def run(args: argparse.Namespace, result: dict, out: Path) -> str:
             print(f"round {k + 1} of {wl['rounds']}", flush=True)
         rows: list[dict] = []
         if "offline" in paths:
-            rows.append(offline_run(ids, wl, seats))
+            sim = wl["model"] == "sim"
+            rows.append(sim_offline_run(ids, wl) if sim else offline_run(ids, wl, seats))
         if "local_http" in paths:
             rows.append(local_http_run(ids, wl, seats))
         if "serve_http" in paths or "handle" in paths:

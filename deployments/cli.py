@@ -286,6 +286,15 @@ def _add_bench_serve(bench_sub: argparse._SubParsersAction) -> None:
         default=1,
         help="serving-path: run every path this many times in turn; report medians",
     )
+    g.add_argument(
+        "--sim-time-scale",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="serving-path: simulated replicas paced like their GPU (S real seconds per "
+        "modelled one) instead of the tiny model; offline is then one paced engine's rate "
+        "times the replicas (default 0: the tiny model)",
+    )
     g.add_argument("--engine-json", default="docs/results/engine.json", help="for summary")
     g.add_argument("--cluster-json", help="for summary: `fairbatch bench cluster --json` output")
     srv.set_defaults(func=_bench_serve, parser=srv)

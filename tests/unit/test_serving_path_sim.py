@@ -1,0 +1,69 @@
+"""`fairbatch bench serve --compare serving-path --sim-time-scale S`: the offline baseline is one
+simulated engine paced like its GPU, its rate times the replicas; local_http is refused (no Ray,
+no model weights: the simulated runner only)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from fairbatch.benchmarks.serving_path import prompts, run, sim_offline_run, workload
+from fairbatch.deployments.cluster.replica import ReplicaConfig, build_core
+from fairbatch.engine import SamplingParams
+from fairbatch.engine.tokenizer import Tokenizer
+
+
+def args(**kw) -> argparse.Namespace:
+    base = dict(
+        num_prompts=8,
+        input_len="fixed:16",
+        output_len="fixed:8",
+        concurrency=4,
+        replicas=2,
+        max_num_seqs=4,
+        num_gpu_blocks=64,
+        intervals="50",
+        channels="socket",
+        proxy=False,
+        rounds=1,
+        sim_time_scale=1.0,
+        paths="offline",
+        seed=0,
+        no_plots=True,
+    )
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+def modelled_seconds(ids: list[list[int]], wl: dict) -> float:
+    """The simulated GPU time of one replica's share, stepped unpaced."""
+    cfg = ReplicaConfig(engine="sim", max_num_seqs=wl["seats"], num_gpu_blocks=64)
+    core = build_core(cfg)
+    params = SamplingParams(max_tokens=wl["output_len"], temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(ids):
+        core.add_request(p, params, request_id=str(i))
+    total = 0.0
+    while core.has_unfinished():
+        core.step()
+        total += core.runner.last_cost.total_s
+    return total
+
+
+def test_the_sim_baseline_is_one_paced_engine_times_the_replicas():
+    wl = workload(args())
+    assert (wl["model"], wl["time_scale"]) == ("sim", 1.0)
+    ids = prompts(8, 16, Tokenizer.tiny().vocab_size, 0)
+    row = sim_offline_run(ids, wl)
+    # every request of the 2 replicas' shares counted, all tokens
+    assert (row["requests"], row["ok"], row["output_tokens"]) == (8, 8, 64)
+    # paced: at least the share's modelled GPU time x the scale
+    assert row["duration_s"] >= modelled_seconds(ids[:4], wl) * 0.999
+    assert row["output_tok_s"] == pytest.approx(64 / row["duration_s"], rel=0.02)
+
+
+def test_local_http_is_refused_with_the_sim_replicas(tmp_path):
+    with pytest.raises(SystemExit, match="tiny model only"):
+        run(args(paths="local_http"), {}, tmp_path)
+    with pytest.raises(SystemExit, match=">= 0"):
+        workload(args(sim_time_scale=-1.0))
