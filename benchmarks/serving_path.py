@@ -295,12 +295,10 @@ def sim_offline_run(ids: list[list[int]], wl: dict) -> dict:
             if cost is not None:
                 time.sleep(cost.total_s * wl["time_scale"])
         duration = time.perf_counter() - t0
-        # the replicas run side by side: each its share in this time
-        rows = [
-            _result(i, wl, t0, [], tokens[str(i % len(share))], reasons[str(i % len(share))], None)
-            for i in range(len(share) * wl["replicas"])
+        one = [
+            _result(i, wl, t0, [], tokens[str(i)], reasons[str(i)], None) for i in range(len(share))
         ]
-        return rows, duration
+        return one * wl["replicas"], duration  # the replicas run side by side, each its share
 
     return measure("offline", go, wl)
 
