@@ -266,7 +266,7 @@ def offline_run(ids: list[list[int]], wl: dict, seats: int) -> dict:
 def sim_offline_run(ids: list[list[int]], wl: dict) -> dict:
     """One paced simulated engine with one replica's seats and its share of the requests,
     stepped back to back; the row's rate is that times the replicas (independent GPUs)."""
-    from fairbatch.deployments.cluster.replica import ReplicaConfig, build_core
+    from fairbatch.deployments.cluster.replica import ReplicaConfig, build_core, pace_step
     from fairbatch.engine import SamplingParams
     from fairbatch.engine.tokenizer import Tokenizer
 
@@ -291,9 +291,7 @@ def sim_offline_run(ids: list[list[int]], wl: dict) -> dict:
                 tokens[d.request_id] += len(d.token_ids)
                 if d.finished:
                     reasons[d.request_id] = d.finish_reason or ""
-            cost = core.runner.last_cost
-            if cost is not None:
-                time.sleep(cost.total_s * wl["time_scale"])
+            pace_step(core, wl["time_scale"])
         duration = time.perf_counter() - t0
         one = [
             _result(i, wl, t0, [], tokens[str(i)], reasons[str(i)], None) for i in range(len(share))

@@ -218,6 +218,15 @@ async def owner_is_dead(owner: Any, timeout_s: float) -> bool:
     return any(job.is_dead for job_id, job in jobs.items() if job_id.hex() == owner.job_id)
 
 
+def pace_step(core: EngineCore, time_scale: float) -> None:
+    """After a step of a simulated engine: sleep what the step would take on its GPU, scaled by
+    `time_scale` (0: no pacing). Real engines have no modelled cost and are never paced."""
+    if time_scale > 0:
+        cost = getattr(core.runner, "last_cost", None)
+        if cost is not None and cost.total_s > 0:
+            time.sleep(cost.total_s * time_scale)
+
+
 def _trace_step(request_id: str, times: trace.StepTimes) -> None:
     """The step that made the request's delta (the first one counts), and its arrival here."""
     for point, value in (
@@ -281,11 +290,7 @@ class Replica:
         self._owner_watch: asyncio.Task | None = None
 
     def _pace(self) -> None:
-        # On the engine thread after each step: a sim replica takes as long as its GPU would.
-        if self.time_scale > 0:
-            cost = getattr(self.core.runner, "last_cost", None)
-            if cost is not None and cost.total_s > 0:
-                time.sleep(cost.total_s * self.time_scale)
+        pace_step(self.core, self.time_scale)  # on the engine thread, after each step
 
     # ---- data plane -------------------------------------------------------------------------
 
