@@ -609,19 +609,21 @@ class Controller:
 
     async def _migrate(self, action: Migrate) -> bool:
         src, dst = self.handles.get(action.src), self.handles.get(action.dst)
-        if src is None or dst is None:
-            return False
-        try:
-            ok = await asyncio.wait_for(
-                src.migrate_out.remote(action.request_id, action.dst, dst), timeout=30.0
-            )
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            log.warning("migrating %s failed: %r", action.request_id, e)
-            ok = False
-        if not ok:  # it stayed (or finished) at the source: put the accounting back
-            self.core.migrate(action.request_id, action.src)
+        ok = False
+        if src is not None and dst is not None:
+            try:
+                ok = await asyncio.wait_for(
+                    src.migrate_out.remote(
+                        action.request_id, action.dst, dst, waiting_only=action.waiting_only
+                    ),
+                    timeout=30.0,
+                )
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                log.warning("migrating %s failed: %r", action.request_id, e)
+        # refused: it stayed (or ended) at the source, whose accounting has it back
+        self._apply(self.core.move_done(action, ok))
         return ok
 
     def _spawn(self, coro) -> None:

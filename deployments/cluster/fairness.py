@@ -12,7 +12,9 @@ Routing modes:
   * "fair" (fairbatch): one global queue ordered by a `fairbatch.policies` policy over
     cluster-wide virtual counters; a request leaves it only when some replica has a free slot
     (running seats + a short local queue), preferring the replica that caches the longest
-    prefix of its prompt, then the least loaded one.
+    prefix of its prompt, then the least loaded one. A request sent ahead into one replica's
+    local queue moves to a seat that frees on another while the global queue is empty
+    (`rebalance_local_queues`; a `Migrate` the source refuses once the request has started).
   * "d2lpm": the same global queue; the replica is chosen for its prefix match within a
     per-replica, per-tenant deficit and a load slack (placement.py). With policy dlpm (or lpm)
     the queue's hit lengths are the longest prefix a replica with room caches (in any routing).
@@ -117,12 +119,16 @@ class FairnessCore:
         self.num_preemptions = 0
         self.num_migrations = 0
         self.max_counter_diff = 0.0  # largest counter spread among backlogged tenants seen
+        # Moves under way: request id -> the replica it leaves, and, when that replica reported
+        # it gone meanwhile, the output it left with (a move's end, or a finish if refused)
+        self._moving: dict[str, str] = {}
+        self._left_while_moving: dict[str, int] = {}
 
     # ---- replicas ---------------------------------------------------------------------------
 
     def add_replica(self, replica_id: str, max_num_seqs: int) -> ReplicaState:
-        slots = max_num_seqs + (self.config.local_queue if self._queued_routing else 0)
-        return self.placement.add(replica_id, slots)
+        local_queue = self.config.local_queue if self._queued_routing else 0
+        return self.placement.add(replica_id, max_num_seqs, local_queue)
 
     def remove_replica(self, replica_id: str) -> list[Ticket]:
         """The replica died: forget it and return the tickets it held (their clients resubmit)."""
@@ -263,6 +269,9 @@ class FairnessCore:
                 break
             self._pop()
             actions.append(self._assign(t, r))
+        if placement.queueing and self.config.rebalance_local_queues and policy.peek() is None:
+            for t, src, dst in placement.steals():
+                actions.append(self._move(t, src, dst, waiting_only=True))
         return actions
 
     def _sibling_home(self, t: Ticket) -> ReplicaState | None:
@@ -304,17 +313,48 @@ class FairnessCore:
         actions.append(Preempt(r.replica_id, victim.request_id, self.config.preempt_mode))
         actions.append(self._assign(t, r))
 
-    def _move(self, t: Ticket, src: ReplicaState, dst: ReplicaState) -> Migrate:
-        """Accounting moves at once; the caller carries the request over."""
+    def _move(
+        self, t: Ticket, src: ReplicaState, dst: ReplicaState, waiting_only: bool = False
+    ) -> Migrate:
+        """Accounting moves at once; the caller carries the request over (and moves the
+        accounting back with `migrate` if the replica refused)."""
         rid = t.request_id
-        del src.assigned[rid]
+        self._shift(t, src, dst)
+        if waiting_only:  # assigned to dst now, not seen there yet: not a candidate meanwhile
+            t.seen, t.assigned_at = False, self.clock()
+        self._moving[rid] = src.replica_id
+        self.num_migrations += 1
+        return Migrate(rid, src.replica_id, dst.replica_id, waiting_only)
+
+    def _shift(self, t: Ticket, src: ReplicaState, dst: ReplicaState) -> None:
+        del src.assigned[t.request_id]
         self.placement.release_locality(t, src)
         self.placement.touch(src)
         t.replica = dst.replica_id
-        dst.assigned[rid] = t
+        dst.assigned[t.request_id] = t
         self.placement.touch(dst)
-        self.num_migrations += 1
-        return Migrate(rid, src.replica_id, dst.replica_id)
+
+    def move_done(self, action: Migrate, ok: bool) -> list:
+        """A `Migrate` was carried out (`ok`) or refused by its source, which kept the request
+        (it had started, for a `waiting_only` move) or no longer had it (it ended there).
+        Refused, the accounting goes back to the source, or the ticket ends if the source
+        reported the request gone meanwhile; then the slot kept at the destination is served."""
+        rid = action.request_id
+        self._moving.pop(rid, None)
+        num_out = self._left_while_moving.pop(rid, None)
+        t = self.tickets.get(rid)
+        if ok or t is None or t.replica != action.dst:
+            return []  # moved (its source's report of it leaving was the move), or gone
+        dst, src = self.replicas.get(action.dst), self.replicas.get(action.src)
+        if num_out is not None or src is None:  # it ended at the source
+            if dst is not None and dst.assigned.pop(rid, None) is not None:
+                self._ended(t, dst, num_out or 0)
+                self.placement.touch(dst)
+        elif dst is not None:
+            self._shift(t, dst, src)
+            if action.waiting_only:  # seen there, and started, as its source will report
+                t.seen = t.running = True
+        return self.dispatch()
 
     def migrate(self, request_id: str, dst_id: str | None = None) -> Migrate | None:
         """Move a request to another replica (the least loaded one unless `dst_id`)."""
@@ -350,12 +390,10 @@ class FairnessCore:
         preemption = self.preemption
         for rid, num_out in rep.finished:
             t = r.assigned.pop(rid, None)  # None when it moved away from this replica
+            if t is None and self._moving.get(rid) == r.replica_id:
+                self._left_while_moving[rid] = num_out  # the move's end, or a finish
             if t is not None:
-                preemption.unassigned(t)
-                self.placement.release_locality(t, r)
-                self.tickets.pop(rid, None)
-                preemption.displaced.pop(rid, None)
-                self._refund(t, num_out)
+                self._ended(t, r, num_out)
                 changed = True
         if not r.synced:
             changed |= self._adopt(r, rep.active)
@@ -379,6 +417,14 @@ class FairnessCore:
             self.policy.hits_changed()  # hit lengths: cached prefixes where there is room
         self._track_spread()
         return self.dispatch()
+
+    def _ended(self, t: Ticket, r: ReplicaState, num_out: int) -> None:
+        """`t` (taken out of r.assigned) ended on r with `num_out` output tokens."""
+        self.preemption.unassigned(t)
+        self.placement.release_locality(t, r)
+        self.tickets.pop(t.request_id, None)
+        self.preemption.displaced.pop(t.request_id, None)
+        self._refund(t, num_out)
 
     def _refund(self, t: Ticket, num_out: int, never_ran: bool = False) -> None:
         """Give back the prepaid output not generated (and the prompt, if it never ran)."""

@@ -4,7 +4,10 @@
 prefers the replica caching the longest prefix of the prompt (at most `AFFINITY_PROBES`
 holders looked at per prompt block), then the least loaded one: loads live in a heap with lazy
 deletion (an entry whose version is stale is skipped), so a pick is O(log R), no scan. The
-baselines ("round_robin", "power_of_two") route over the replicas in registration order;
+cache wins only where the request would start at once (the holder has a free seat) or wait no
+longer than elsewhere (no replica has fewer requests): a hit saves one prefill, a place in a
+full replica's local queue costs a whole request's decode while another replica's seat idles.
+The ("round_robin", "power_of_two") route over the replicas in registration order;
 "prefix_affinity" routes at once to the replica caching the longest prefix (else the least
 loaded), whatever its load: locality first, as cache-aware routers do.
 
@@ -25,7 +28,7 @@ import heapq
 import itertools
 import math
 import random
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from fairbatch.deployments.cluster.tickets import Ticket
@@ -38,6 +41,7 @@ class ReplicaState:
         "replica_id",
         "index",
         "slots",
+        "seats",
         "assigned",
         "alive",
         "free_blocks",
@@ -51,10 +55,11 @@ class ReplicaState:
         "locality",
     )
 
-    def __init__(self, replica_id: str, index: int, slots: int) -> None:
+    def __init__(self, replica_id: str, index: int, slots: int, seats: int) -> None:
         self.replica_id = replica_id
         self.index = index
         self.slots = slots  # running seats + local queue
+        self.seats = seats  # running seats
         self.assigned: dict[str, Ticket] = {}
         self.alive = True
         self.free_blocks = 0
@@ -73,6 +78,12 @@ class ReplicaState:
 
     def has_room(self) -> bool:
         return self.alive and len(self.assigned) < self.slots
+
+    def takes_for_locality(self, least_load: int) -> bool:
+        """May a cached prefix bring a request here? Only to a free seat, or to a queue no
+        longer than the least loaded replica's (`least_load`)."""
+        n = len(self.assigned)
+        return self.alive and n < self.slots and (n < self.seats or n <= least_load)
 
 
 @dataclass
@@ -108,15 +119,21 @@ class Placement:
         self.hash_index: dict[bytes, set[str]] = {}  # prefix block hash -> replicas caching it
         self._roomy: list[ReplicaState] | None = None  # replicas with room (None: recompute)
         self._hits: dict[bytes, int] = {}  # cached_prefix_tokens per prefix, while _roomy holds
+        # replicas holding more requests than seats: some wait in their local queue
+        self.queueing: set[ReplicaState] = set()
 
     # ---- the replica table ------------------------------------------------------------------
 
-    def add(self, replica_id: str, slots: int) -> ReplicaState:
+    def add(self, replica_id: str, seats: int, local_queue: int = 0) -> ReplicaState:
+        """Register (or refresh) a replica with `seats` running seats and `local_queue` places
+        for requests sent ahead of a free seat."""
+        slots = seats + local_queue
         r = self.replicas.get(replica_id)
         if r is None:
-            r = self.replicas[replica_id] = ReplicaState(replica_id, next(self._indices), slots)
+            r = ReplicaState(replica_id, next(self._indices), slots, seats)
+            self.replicas[replica_id] = r
             self._alive.append(r)
-        r.slots, r.alive = slots, True
+        r.slots, r.seats, r.alive = slots, seats, True
         self.touch(r)
         return r
 
@@ -127,6 +144,7 @@ class Placement:
             return None
         r.alive = False
         self._roomy = None
+        self.queueing.discard(r)
         r.version += 1
         for h in r.hashes:
             holders = self.hash_index.get(h)
@@ -141,6 +159,10 @@ class Placement:
         """Re-index r in the load heap after its load changed."""
         r.version += 1
         self._roomy = None
+        if r.alive and len(r.assigned) > r.seats:
+            self.queueing.add(r)
+        else:
+            self.queueing.discard(r)
         if r.alive:
             heapq.heappush(self._heap, (r.load, r.index, r.version, r))
             if len(self._heap) > 4 * len(self.replicas) + 64:
@@ -180,6 +202,9 @@ class Placement:
         """A replica with room for `t` ("fair" or "d2lpm" routing), or None."""
         if self.routing == "d2lpm":
             return self.pick_d2lpm(t)
+        least = self.least_loaded()
+        if least is None or not least.has_room():
+            return None
         meta = t.meta
         if meta is not None and meta.prefix_hashes and self.hash_index:
             # Longest cached prefix first; a few holders per block keep this O(blocks).
@@ -190,12 +215,34 @@ class Placement:
                 best = None
                 for rid in itertools.islice(holders, AFFINITY_PROBES):
                     r = self.replicas.get(rid)
-                    if r is not None and r.has_room() and (best is None or r.load < best.load):
+                    if r is None or not r.takes_for_locality(least.load):
+                        continue
+                    if best is None or r.load < best.load:
                         best = r
                 if best is not None:
                     return best
-        r = self.least_loaded()
-        return r if r is not None and r.has_room() else None
+        return least
+
+    def steals(self) -> Iterator[tuple[Ticket, ReplicaState, ReplicaState]]:
+        """(ticket, src, dst): a request waiting in src's local queue (as src last reported it)
+        to move to dst, the least loaded replica, which has a free seat; one at a time, the
+        caller moves each before asking for the next (the loads change). The most loaded
+        queue gives first, its latest assignment: the one that would wait longest there."""
+        while self.queueing:
+            dst = self.least_loaded()
+            if dst is None or dst.load >= dst.seats:
+                return
+            found = None
+            for src in sorted(self.queueing, key=lambda r: (r.seats - r.load, r.index)):
+                waiting = [
+                    t for t in src.assigned.values() if t.seen and not (t.running or t.preempted)
+                ]
+                if waiting:
+                    found = max(waiting, key=lambda t: t.assigned_at), src
+                    break
+            if found is None:
+                return
+            yield found[0], found[1], dst
 
     def match_blocks(self, r: ReplicaState, hashes: list[bytes]) -> int:
         """How many leading blocks of `hashes` r caches."""
@@ -206,16 +253,19 @@ class Placement:
         return n
 
     def cached_prefix_tokens(self, t: Ticket) -> int:
-        """Prompt tokens of `t` cached on a replica that has room now (one it could be sent
-        to): the longest leading run of blocks one such replica holds. The hit length the
-        controller's dlpm / lpm order reads. A prefix cached only on full replicas counts for
-        nothing: under load `t` would go elsewhere and miss (an order by hits "anywhere" ranks
-        nearly every request of a hot prompt alike and buys no locality)."""
+        """Prompt tokens of `t` cached on a replica it could be sent to for that now
+        (`takes_for_locality`): the longest leading run of blocks one such replica holds. The
+        hit length the controller's dlpm / lpm order reads. A prefix cached only on full
+        replicas counts for nothing: under load `t` would go elsewhere and miss (an order by
+        hits "anywhere" ranks nearly every request of a hot prompt alike and buys no
+        locality)."""
         hashes = t.meta.prefix_hashes if t.meta is not None else None
         if not hashes:
             return 0
         if self._roomy is None:
-            self._roomy = [r for r in self.replicas.values() if r.has_room()]
+            least = self.least_loaded()
+            lowest = least.load if least is not None else 0
+            self._roomy = [r for r in self.replicas.values() if r.takes_for_locality(lowest)]
             self._hits = {}
         # dlpm's order asks this for every queued request at every pick, and most of them
         # share a few system prompts: one match per distinct prefix until a load or a cache

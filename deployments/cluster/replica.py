@@ -620,9 +620,17 @@ class Replica:
         self._changed = True
         return ok
 
-    async def migrate_out(self, request_id: str, dst_id: str, dst: Any, mode: str = "swap") -> bool:
+    async def migrate_out(
+        self,
+        request_id: str,
+        dst_id: str,
+        dst: Any,
+        mode: str = "swap",
+        waiting_only: bool = False,
+    ) -> bool:
         """Preempt (swap, so the K/V travels), export, publish to the object store, and end the
-        caller's stream with a Moved marker that names the destination."""
+        caller's stream with a Moved marker that names the destination. `waiting_only`: only a
+        request that has not started here (waiting in the local queue); False otherwise."""
         import ray
 
         if request_id not in self._routes:
@@ -631,6 +639,8 @@ class Replica:
         def export() -> MigratedRequest | None:
             request = self.core.scheduler.requests.get(request_id)
             if request is None:
+                return None
+            if waiting_only and request.status != RequestStatus.WAITING:
                 return None
             if request.status == RequestStatus.RUNNING:
                 can_swap = self.core.scheduler.kv.can_swap_out(request)
@@ -774,6 +784,10 @@ class Replica:
         self._seq += 1
         cached = kv.gpu_pool.cached
         running = {r.request_id for r in s.running}
+        # not in the scheduler: ended (its last items on their way) or still being added;
+        # reported as started, so that the controller does not move it as a waiting one
+        held = s.requests
+        num_out = self._num_out
         hashes = None
         if len(cached) != self._hash_count or self._seq % 25 == 0:
             self._hash_count = len(cached)
@@ -794,7 +808,7 @@ class Replica:
             service=s.policy.tokens(),
             finished=list(self._finished),
             active={
-                rid: (tenant, prio, rid in running, max_tokens, self._num_out(rid))
+                rid: (tenant, prio, rid in running or rid not in held, max_tokens, num_out(rid))
                 for rid, (tenant, prio, max_tokens) in list(self._meta.items())
             },
             prefix_hashes=hashes,

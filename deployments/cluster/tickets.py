@@ -26,6 +26,9 @@ class ControllerConfig:
     preemption: bool = True  # coordinated preemption for higher-priority waiting requests
     preempt_mode: str = "auto"  # "auto" | "swap" | "recompute"
     migrate_displaced: bool = True  # move a preempted request to a replica with room
+    # A seat frees on one replica while another holds requests waiting in its local queue,
+    # and the global queue is empty: move one of those there (placement.py, `steals`).
+    rebalance_local_queues: bool = True
     input_weight: float = 1.0
     output_weight: float = 2.0
     stale_assignment_s: float = 30.0  # assigned but never seen by its replica: dropped after
@@ -123,3 +126,5 @@ class Migrate:
     request_id: str
     src: str
     dst: str
+    # only if it still waits at src (a local-queue rebalance): one that started stays there
+    waiting_only: bool = False

@@ -121,7 +121,8 @@ class ReplicaReport:
     # (request id, output tokens it ended with) for requests that left this replica since the
     # last delivered report (finished, aborted, or moved away)
     finished: list[tuple[str, int]]
-    # request id -> (tenant, priority, running, max_tokens, output tokens so far), all it holds
+    # request id -> (tenant, priority, running, max_tokens, output tokens so far), all it holds;
+    # `running`: it holds a seat (or has just ended, its last items not delivered yet)
     active: dict[str, tuple[str, int, bool, int, int]]
     prefix_hashes: list[bytes] | None = None  # cached full-block hashes; None = unchanged
     handle: Any = None  # the replica's own actor handle (registration, after restarts)

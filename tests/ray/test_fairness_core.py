@@ -106,6 +106,91 @@ def test_prefix_affinity_beats_load():
     assert assigned(core.submit(meta("y", hashes=[b"zz"]))) == [("y", "r0")]
 
 
+def test_a_cached_prefix_takes_a_free_seat_or_an_equal_queue_only():
+    # The holder of a prefix gets its requests while it has a free seat, or while no replica
+    # has fewer requests; never a place in its local queue while another replica's seat idles.
+    core = FairnessCore(ControllerConfig(local_queue=2))
+    r0, r1 = Reporter("r0", seats=2), Reporter("r1", seats=2)
+    core.report(r0(hashes=[b"h1"]))
+    core.report(r1())
+    hit = [b"h1"]
+    assert assigned(core.submit(meta("x1", hashes=hit))) == [("x1", "r0")]
+    assert assigned(core.submit(meta("x2", hashes=hit))) == [("x2", "r0")]  # r0: 2 of 2 seats
+    assert assigned(core.submit(meta("x3", hashes=hit))) == [("x3", "r1")]  # r1 has a free seat
+    assert assigned(core.submit(meta("y1"))) == [("y1", "r1")]  # both seats full on both: 2, 2
+    assert assigned(core.submit(meta("x4", hashes=hit))) == [("x4", "r0")]  # queues equal: cache
+    assert assigned(core.submit(meta("x5", hashes=hit))) == [("x5", "r1")]  # r0 queues more
+    assert assigned(core.submit(meta("x6", hashes=hit))) == [("x6", "r0")]  # equal again: 3, 3
+    assert core.stats()["assigned"] == {"r0": 4, "r1": 3}
+
+
+def waiting_on_r0():
+    """Two replicas of 2 seats and 2 local places, 2 requests running on each, and "w" sent
+    ahead to r0, seen there waiting (r0: 3 assigned, r1: 2)."""
+    core = FairnessCore(ControllerConfig(local_queue=2))
+    r0, r1 = Reporter("r0", seats=2), Reporter("r1", seats=2)
+    core.report(r0())
+    core.report(r1())
+    for i in range(4):
+        core.submit(meta(f"q{i}"))
+    assert assigned(core.submit(meta("w"))) == [("w", "r0")]
+    running = {"q0": ("a", 0, True, 10, 1), "q2": ("a", 0, True, 10, 1)}
+    core.report(r0(active={**running, "w": ("a", 0, False, 10, 0)}))
+    core.report(r1(active={"q1": ("a", 0, True, 10, 1), "q3": ("a", 0, True, 10, 1)}))
+    return core, r0, r1
+
+
+def test_a_request_waiting_in_a_local_queue_moves_to_a_seat_freed_elsewhere():
+    core, r0, r1 = waiting_on_r0()
+    # A seat frees on r1 and nothing is queued: w moves there (if it has not started).
+    actions = core.report(r1(finished=[("q1", 10)], active={"q3": ("a", 0, True, 10, 1)}))
+    assert actions == [Migrate("w", "r0", "r1", waiting_only=True)]
+    assert core.stats()["assigned"] == {"r0": 2, "r1": 2} and core.where("w") == "r1"
+    # r0 reports it gone (its stream ended with the move), then the move is done
+    assert core.report(r0(finished=[("w", 0)])) == []
+    assert core.move_done(actions[0], ok=True) == []
+    assert core.where("w") == "r1" and core.stats()["assigned"] == {"r0": 2, "r1": 2}
+    core.report(r1(finished=[("w", 10)]))
+    assert core.where("w") is None and core.stats()["assigned"] == {"r0": 2, "r1": 1}
+
+
+def test_a_refused_move_puts_the_request_back_and_is_not_tried_again():
+    core, r0, r1 = waiting_on_r0()
+    [move] = core.report(r1(finished=[("q1", 10)], active={"q3": ("a", 0, True, 10, 1)}))
+    assert move.waiting_only and core.move_done(move, ok=False) == []  # it had started at r0
+    assert core.where("w") == "r0" and core.stats()["assigned"] == {"r0": 3, "r1": 1}
+    assert core.dispatch() == []  # seen started: no candidate any more
+
+
+def test_a_request_that_ends_at_its_source_during_a_refused_move_ends_its_ticket():
+    core, r0, r1 = waiting_on_r0()
+    [move] = core.report(r1(finished=[("q1", 10)], active={"q3": ("a", 0, True, 10, 1)}))
+    before = core.counters()["a"]
+    core.report(r0(finished=[("w", 4)]))  # it started and ended at r0 meanwhile
+    assert core.move_done(move, ok=False) == []
+    assert core.where("w") is None and core.stats()["assigned"] == {"r0": 2, "r1": 1}
+    assert core.counters()["a"] == before - 2 * (10 - 4)  # its unused output refunded
+
+
+def test_no_move_while_the_global_queue_can_fill_the_seat():
+    core, r0, r1 = waiting_on_r0()
+    for i in range(4):  # r0 and r1 full (4 places each): 1 queued at the controller
+        core.submit(meta(f"more{i}"))
+    assert core.stats()["queued"] == 1
+    actions = core.report(r1(finished=[("q1", 10)], active={"q3": ("a", 0, True, 10, 1)}))
+    assert assigned(actions) == [("more3", "r1")]
+    assert not [a for a in actions if isinstance(a, Migrate)]
+    off = FairnessCore(ControllerConfig(local_queue=2, rebalance_local_queues=False))
+    o0, o1 = Reporter("r0", seats=2), Reporter("r1", seats=2)
+    off.report(o0())
+    off.report(o1())
+    for i in range(4):
+        off.submit(meta(f"q{i}"))
+    off.submit(meta("w"))
+    off.report(o0(active={"w": ("a", 0, False, 10, 0)}))
+    assert off.report(o1(finished=[("q1", 10)])) == []  # turned off: w waits at r0
+
+
 def test_coordinated_preemption_picks_the_cluster_wide_victim():
     tenants = [TenantSpec("light"), TenantSpec("heavy")]
     core = FairnessCore(ControllerConfig(tenants=tenants, local_queue=0))
