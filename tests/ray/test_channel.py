@@ -395,3 +395,30 @@ def test_a_client_that_subscribes_again_ends_its_old_stream_and_gets_what_was_du
     assert [a.request_id for a in placed] == ["r0"] and ended
     assert [(a.request_id, a.replica_id) for a in then] == [("r1", "ra")]
     assert outboxes == {"c.1"} and owners == {"c.1": "owner"}
+
+
+def test_the_report_tells_waiting_from_started_and_a_started_request_is_not_moved_as_waiting():
+    # What the controller's local-queue rebalancing reads and relies on: a request waiting
+    # for a seat is reported not running; one running, or ended with its last items still on
+    # their way, is reported started; a `waiting_only` move of a started request is refused.
+    async def main():
+        cfg = ReplicaConfig(engine="sim", num_gpu_blocks=64, max_num_seqs=2, time_scale=1.0)
+        rep = Replica("rep", cfg)  # paced like its GPU: the requests run for seconds
+        rep.channel("c1")
+        assert await rep.submit("c1", [meta(i, 2000) for i in range(3)]) == [None] * 3
+        while rep.engine.num_steps < 2:
+            await asyncio.sleep(0.01)
+        rep._meta["gone"] = ("default", 0, 8)  # ended here, its last items not yet delivered
+        report = await rep.engine.call(rep._report, None)
+        started = {rid: state[2] for rid, state in report.active.items()}
+        refused = await rep.migrate_out("r0", "elsewhere", None, waiting_only=True)
+        still = "r0" in rep._routes and rep.core.scheduler.requests["r0"].status.name
+        del rep._meta["gone"]
+        for i in range(3):
+            await rep.abort(f"r{i}")
+        await rep.engine.shutdown()
+        return started, refused, still
+
+    started, refused, still = run(main())
+    assert started == {"r0": True, "r1": True, "r2": False, "gone": True}
+    assert refused is False and still == "RUNNING"
