@@ -141,8 +141,8 @@ def run_one(day: Day, system: str, scaling: AutoscalingConfig | None = None) -> 
             elif isinstance(a, Migrate):  # as Replica.migrate_out: swap out if it can, export
                 src, dst = replicas[a.src], replicas[a.dst]
                 req = src.core.scheduler.requests.get(a.request_id)
-                if req is None:
-                    core.migrate(a.request_id, a.src)  # it ended meanwhile: accounting back
+                if req is None or (a.waiting_only and req.status.name != "WAITING"):
+                    apply(core.move_done(a, ok=False))  # ended, or started: it stays
                     continue
                 if req.status.name == "RUNNING":
                     swap = src.core.scheduler.kv.can_swap_out(req)
@@ -150,6 +150,7 @@ def run_one(day: Day, system: str, scaling: AutoscalingConfig | None = None) -> 
                 dst.core.import_request(src.core.export_request(a.request_id))
                 dst.runner.idle_until(now)
                 migrations += 1
+                apply(core.move_done(a, ok=True))
             elif isinstance(a, Requeue):  # the client resubmits it with its tokens
                 src = replicas[a.replica_id]
                 req = src.core.scheduler.requests.get(a.request_id)

@@ -163,11 +163,15 @@ def run_one(num_replicas: int, system: str, wl: Workload) -> dict:
                 queue_wait.append(now - submitted_at.pop(a.ticket.request_id))
             elif isinstance(a, Preempt):
                 replicas[a.replica_id].core.preempt(a.request_id, a.mode)
-            elif isinstance(a, Migrate):
+            elif isinstance(a, Migrate):  # what is not running moves (no K/V here)
                 src, dst = replicas[a.src], replicas[a.dst]
                 req = src.core.scheduler.requests.get(a.request_id)
-                if req is not None and req.status.name != "RUNNING":
+                status = None if req is None else req.status.name
+                ok = status is not None and status != "RUNNING"
+                ok = ok and (status == "WAITING" or not a.waiting_only)
+                if ok:
                     dst.core.import_request(src.core.export_request(a.request_id))
+                apply(core.move_done(a, ok), 0.0)
 
     def submit(tenant: str) -> None:
         nonlocal ctrl_time

@@ -7,7 +7,7 @@ deletion (an entry whose version is stale is skipped), so a pick is O(log R), no
 cache wins only where the request would start at once (the holder has a free seat) or wait no
 longer than elsewhere (no replica has fewer requests): a hit saves one prefill, a place in a
 full replica's local queue costs a whole request's decode while another replica's seat idles.
-The ("round_robin", "power_of_two") route over the replicas in registration order;
+The baselines ("round_robin", "power_of_two") route over the replicas in registration order;
 "prefix_affinity" routes at once to the replica caching the longest prefix (else the least
 loaded), whatever its load: locality first, as cache-aware routers do.
 
