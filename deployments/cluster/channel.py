@@ -51,6 +51,17 @@ def check_transport(transport: str) -> str:
 
 
 @dataclass(frozen=True)
+class ActorOwner:
+    """The owner of a consumer that runs in an actor (an ingress replica, a handle caller's
+    actor): the actor's id, which the GCS's actor table checks. Not the actor's handle: a
+    process deserializes a handle by importing the actor's class, and for a Ray Serve replica
+    that imports Ray Serve (~0.6 s on this machine), on the event loop of the replica or
+    controller that received it - the first requests of every new ingress waited that long."""
+
+    actor_id: str  # hex
+
+
+@dataclass(frozen=True)
 class DriverOwner:
     """The owner of a consumer that runs in a Ray driver, which has no actor to ping: its
     job. The GCS marks a driver's job dead as soon as the driver's process is gone."""
@@ -63,7 +74,7 @@ class Outbox:
     """One consumer's unread items on a replica (`StreamItem`s and `Moved` markers)."""
 
     consumer: str
-    owner: Any = None  # the consumer's actor handle or DriverOwner, checked for liveness
+    owner: Any = None  # the consumer's ActorOwner or DriverOwner, checked for liveness
     limit: int = 65536  # unread items past which the consumer counts as stalled
     items: list = field(default_factory=list)
     requests: set[str] = field(default_factory=set)
@@ -112,7 +123,7 @@ class ReplicaLink:
         self.transport = check_transport(transport)
         self.handle = handle
         self.consumer = consumer
-        self.owner = owner  # this process's actor handle or DriverOwner (None: not known)
+        self.owner = owner  # this process's ActorOwner or DriverOwner (None: not known)
         self.queues: dict[str, asyncio.Queue] = {}
         self.expected = expected  # ids of requests admitted for this process, not yet opened
         self.early: dict[str, list] = {}  # their items so far

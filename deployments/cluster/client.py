@@ -36,6 +36,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError,
 
 from fairbatch.deployments.cluster import trace
 from fairbatch.deployments.cluster.channel import (
+    ActorOwner,
     DriverOwner,
     LinkLost,
     ReplicaLink,
@@ -89,7 +90,7 @@ class ClusterClient:
         self._links_loop: asyncio.AbstractEventLoop | None = None
         self._consumer_base = uuid.uuid4().hex
         self._consumer_gen = 0
-        self._owner: tuple[str, Any] | None = None  # this process's actor or job, see owner()
+        self._owner: ActorOwner | DriverOwner | None = None  # this process, see owner()
         self._owner_known = False
 
     def _controller(self) -> Any:
@@ -97,17 +98,17 @@ class ClusterClient:
             self.controller = ray.get_actor(self.controller)
         return self.controller
 
-    def owner(self) -> tuple[str, Any] | None:
-        """(actor id, handle) of the actor this client runs in; ("job:<id>", DriverOwner) in
-        a driver; None in a task (no process of its own to check)."""
+    def owner(self) -> ActorOwner | DriverOwner | None:
+        """The process this client runs in: its actor, or its driver's job; None in a task
+        (no process of its own to check)."""
         if not self._owner_known:
             ctx = ray.get_runtime_context()
             actor_id = ctx.get_actor_id()
             if actor_id is not None:
-                self._owner = (actor_id, ctx.current_actor)
+                self._owner = ActorOwner(actor_id)
             elif ctx.worker.mode == ray.SCRIPT_MODE:
                 job_id = ctx.get_job_id()
-                self._owner = (f"job:{job_id}", DriverOwner(job_id))
+                self._owner = DriverOwner(job_id)
             self._owner_known = True
         return self._owner
 
@@ -127,10 +128,8 @@ class ClusterClient:
         if link is None or not link.alive or link.handle != handle:
             if link is not None:
                 link.shutdown()
-            owner = self.owner()
-            handle_of_owner = None if owner is None else owner[1]
             link = ReplicaLink(
-                replica_id, handle, consumer, handle_of_owner, self._expected,
+                replica_id, handle, consumer, self.owner(), self._expected,
                 transport=self.channel_transport,
             )  # fmt: skip
             self._links[replica_id] = link
@@ -292,10 +291,9 @@ class ClusterClient:
         if self.batch_admissions:
             loop = asyncio.get_running_loop()
             if self._batcher is None or self._batcher.loop is not loop:
-                owner = self.owner()
                 self._batcher = AdmissionBatcher(
                     self._controller,
-                    owner=owner and owner[1],
+                    owner=self.owner(),
                     transport=self.channel_transport,
                 )
             return await self._batcher.admit(meta, self.admit_timeout_s)
@@ -384,7 +382,7 @@ class AdmissionBatcher:
         self.calls = None  # (`transport` was checked by the ClusterClient)
         if transport == "socket":
             self.calls = CallClient(lambda: self.controller().call_socket.remote(self.base_id))
-        self.owner = owner  # this process's actor handle or DriverOwner, for the controller
+        self.owner = owner  # this process's ActorOwner or DriverOwner, for the controller
         self.max_batch = max_batch
         self.linger_s = linger_s
         self.loop = asyncio.get_running_loop()

@@ -80,7 +80,7 @@ class Controller:
         # batched admission: subscriber id -> its assignments not yet streamed out
         self._outboxes: dict[str, asyncio.Queue] = {}
         self._owner: dict[str, str] = {}  # request id -> subscriber waiting for it
-        # subscriber -> its process (an actor's handle, or a driver's DriverOwner), checked every
+        # subscriber -> its process (ActorOwner, or a driver's DriverOwner), checked every
         # `subscriber_check_s`; consumer id -> the same owner, sent with forwarded requests
         # once per (replica, consumer) so the replica can watch a consumer it has not heard from
         self._subscriber_owner: dict[str, Any] = {}
@@ -170,7 +170,7 @@ class Controller:
         per request cost the ingress ~4% of its CPU): an Assignment here carries `replica` None
         when its handle went in this or an earlier message. (A replica id never names another
         actor: a replacement gets an id of its own, `replica_set.SEP`.) `owner`: the
-        subscriber's process, its actor handle or a driver's `DriverOwner` (None: not known);
+        subscriber's process, `ActorOwner` or a driver's `DriverOwner` (None: not known);
         once it is dead, its queued requests are cancelled and this stream ends
         (`_check_subscribers`). `replaces`: the id this client subscribed under before (its
         stream broke): that stream ends, and the assignments still due to it come on this one."""
@@ -554,7 +554,7 @@ class Controller:
         for (replica_id, consumer), metas in forwards.items():
             # Sent now, awaited in a task: the request reaches its replica one hop sooner than
             # through its client (which hears the assignment meanwhile and only reads items).
-            # The consumer's handle goes along the first time, so the replica watches it even
+            # The consumer's owner goes along the first time, so the replica watches it even
             # if it dies before opening its channel there.
             owner = None
             if (replica_id, consumer) not in self._owner_sent:
@@ -571,15 +571,14 @@ class Controller:
         self, replica_id: str, handle: Any, consumer: str, metas: list[RequestMeta], owner: Any
     ) -> None:
         """Submit `metas` to their replica for `consumer`: over the replica's socket, or as an
-        actor call when an owner's handle goes along (it needs Ray), the socket fails, or
-        `submit_transport` is "ray". A forwarded submission is idempotent, so one the socket
-        lost is sent again over Ray. A request the replica refused ended there with an error
-        item to its client; here it leaves its slot."""
+        actor call when the socket fails or `submit_transport` is "ray". A forwarded submission
+        is idempotent, so one the socket lost is sent again over Ray. A request the replica
+        refused ended there with an error item to its client; here it leaves its slot."""
         errors = None
-        if owner is None and self.config.submit_transport == "socket":
+        if self.config.submit_transport == "socket":
             try:
                 errors = await self._calls_to(replica_id, handle).call(
-                    "submit", consumer, metas, None, True
+                    "submit", consumer, metas, owner, True
                 )
             except asyncio.CancelledError:
                 raise

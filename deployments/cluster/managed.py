@@ -11,9 +11,10 @@ import logging
 from dataclasses import replace
 from typing import Any
 
+from fairbatch.deployments.cluster.channel import ActorOwner
 from fairbatch.deployments.cluster.controller import Controller
 from fairbatch.deployments.cluster.fairness import ControllerConfig
-from fairbatch.deployments.cluster.replica import Replica, ReplicaConfig, actor_is_dead
+from fairbatch.deployments.cluster.replica import Replica, ReplicaConfig, owner_is_dead
 from fairbatch.deployments.cluster.replica_set import ReplicaSet, ReplicaSpec
 from fairbatch.deployments.metrics import Deltas, get_metrics
 from fairbatch.policies import TenantSpec
@@ -44,15 +45,15 @@ class ClusterController(Controller):
         replicas: ReplicaSet | None = None,
     ) -> None:
         super().__init__(config, replicas)
-        self.users: dict[str, Any] = {}  # attached ingress -> its actor handle (None: unknown)
+        self.users: dict[str, Any] = {}  # attached ingress -> its ActorOwner (None: unknown)
         self.metrics_interval_s = metrics_interval_s
         self._metrics_task: asyncio.Task | None = None
         self._tenant_updates: dict[str, tuple[float, int]] = {}  # for replacement replicas
 
-    async def attach(self, user: str, handle: Any = None) -> int:
-        """Count an ingress in. With its actor `handle`, an ingress that dies without
+    async def attach(self, user: str, owner: ActorOwner | None = None) -> int:
+        """Count an ingress in. With its actor (`owner`), an ingress that dies without
         detaching (killed) stops counting at the next detach."""
-        self.users[user] = handle
+        self.users[user] = owner
         if self._metrics_task is None and self.metrics_interval_s > 0:
             self._metrics_task = asyncio.get_running_loop().create_task(self._metrics_loop())
         return len(self.users)
@@ -69,7 +70,7 @@ class ClusterController(Controller):
 
     async def _forget_dead_users(self) -> None:
         users = [(u, h) for u, h in self.users.items() if h is not None]
-        verdicts = await asyncio.gather(*(actor_is_dead(h, UPDATE_TIMEOUT_S) for _, h in users))
+        verdicts = await asyncio.gather(*(owner_is_dead(h, UPDATE_TIMEOUT_S) for _, h in users))
         for (user, _), is_dead in zip(users, verdicts):
             if is_dead:
                 log.info("ingress %s died without detaching: no longer counted", user)

@@ -11,8 +11,8 @@ between steps on the engine thread.
 
 A consumer that dies does not always end its channel: Ray keeps running an actor's streaming
 generator after the process consuming it is gone. So a consumer names its process when it
-submits (its actor, or a driver's job: `DriverOwner`), and the replica checks that process
-every `owner_check_s` while it has requests here (a ping, or the GCS's job table);
+submits (its actor, or a driver's job: `ActorOwner`, `DriverOwner`), and the replica checks
+that process every `owner_check_s` while it has requests here (the GCS's actor or job table);
 the requests of one that is dead are aborted, which frees their KV blocks and, through the
 next report, the controller's slots. One that stops reading is treated alike once its outbox
 holds `unread_items_per_seat x max_num_seqs` items.
@@ -31,7 +31,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fairbatch.deployments.cluster import trace
-from fairbatch.deployments.cluster.channel import CHANNEL_BACKPRESSURE, DriverOwner, Outbox
+from fairbatch.deployments.cluster.channel import (
+    CHANNEL_BACKPRESSURE,
+    ActorOwner,
+    DriverOwner,
+    Outbox,
+)
 from fairbatch.deployments.cluster.socket_channel import (
     ChannelServer,
     MovePending,
@@ -179,31 +184,23 @@ def build_core(cfg: ReplicaConfig) -> EngineCore:
     )
 
 
-async def actor_is_dead(handle: Any, timeout_s: float) -> bool:
-    """True only when Ray says the actor behind `handle` died (ActorDiedError). Unreachable
-    for now, slow to answer, or any other error is not proof of death: False."""
-    from ray.exceptions import ActorUnavailableError, RayActorError
-
-    try:
-        await asyncio.wait_for(handle.__ray_ready__.remote(), timeout_s)
-    except ActorUnavailableError:  # a subclass of RayActorError: not known dead
-        return False
-    except RayActorError:
-        return True
-    except Exception:
-        return False
-    return False
-
-
-async def owner_is_dead(owner: Any, timeout_s: float) -> bool:
-    """True only when Ray says the consumer's process is gone: its actor died, or, for a
-    driver (`DriverOwner`), the GCS marked its job dead. No answer in time proves nothing."""
-    if not isinstance(owner, DriverOwner):
-        return await actor_is_dead(owner, timeout_s)
+async def owner_is_dead(owner: ActorOwner | DriverOwner, timeout_s: float) -> bool:
+    """True only when the GCS says the consumer's process is gone: its actor is DEAD (or no
+    longer listed: the GCS forgets dead actors past a count), or a driver's job is marked
+    dead. No answer in time, or any error, proves nothing: False."""
     import ray
+    from ray.core.generated.gcs_pb2 import ActorTableData
 
+    gcs = ray._private.worker.global_worker.gcs_client  # (these tables have no public API)
     try:
-        gcs = ray._private.worker.global_worker.gcs_client  # (the job table has no public API)
+        if isinstance(owner, ActorOwner):
+            actors = await asyncio.wait_for(
+                gcs.async_get_all_actor_info(
+                    actor_id=ray.ActorID.from_hex(owner.actor_id), timeout=timeout_s
+                ),
+                timeout_s,
+            )
+            return all(actor.state == ActorTableData.DEAD for actor in actors.values())
         jobs = await asyncio.wait_for(
             gcs.async_get_all_job_info(
                 job_or_submission_id=owner.job_id,
@@ -239,11 +236,11 @@ def _trace_step(request_id: str, times: trace.StepTimes) -> None:
         trace.mark(request_id, point, value)
 
 
-def owner_key(owner: Any) -> str:
+def owner_key(owner: ActorOwner | DriverOwner) -> str:
     """An owner's id, for stats: the actor's id, or "job:<id>" for a driver."""
     if isinstance(owner, DriverOwner):
         return f"job:{owner.job_id}"
-    return owner._actor_id.hex()
+    return owner.actor_id
 
 
 class Replica:
@@ -299,7 +296,7 @@ class Replica:
     ) -> list[str | None]:
         """Start new (or resubmitted) requests whose items go to `consumer`'s channel. Returns
         one entry per request: None when it was added, else why it was refused. `owner`: the
-        consumer's process (its actor handle, or a driver's `DriverOwner`), watched so its
+        consumer's process (`ActorOwner`, or a driver's `DriverOwner`), watched so its
         requests end if it dies; None when not known yet (its channel brings it).
         `forwarded`: sent by the controller for the consumer, which is not waiting for this
         answer: a refusal also goes to the consumer as the request's last item, and a request

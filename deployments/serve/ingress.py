@@ -23,6 +23,7 @@ import ray
 from ray import serve
 
 from fairbatch.deployments.api.server import bind_backend, create_app
+from fairbatch.deployments.cluster.channel import ActorOwner
 from fairbatch.deployments.metrics import Deltas, get_metrics
 from fairbatch.deployments.serve.handle_api import HandleApi
 
@@ -87,7 +88,7 @@ class FairbatchIngress(HandleApi):
         )
         log.info("starting or joining cluster %s: %d x %s", spec.cluster_id(), n, cfg.model)
         self.handles = await ensure_cluster(spec, cfg.startup_timeout_s)
-        await self.handles.controller.attach.remote(self.user, _own_actor_handle())
+        await self.handles.controller.attach.remote(self.user, _own_actor())
         self.backend = ClusterBackend(
             self.handles,
             tokenizer,
@@ -149,11 +150,7 @@ class FairbatchIngress(HandleApi):
             kill_cluster(handles)
 
 
-def _own_actor_handle():
-    """This process's actor handle (an ingress replica is one), or None outside an actor."""
-    import ray
-
-    try:
-        return ray.get_runtime_context().current_actor
-    except Exception:
-        return None
+def _own_actor() -> ActorOwner | None:
+    """This process's actor (an ingress replica is one), or None outside an actor."""
+    actor_id = ray.get_runtime_context().get_actor_id()
+    return None if actor_id is None else ActorOwner(actor_id)

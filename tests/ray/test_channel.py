@@ -15,6 +15,7 @@ import pytest
 
 pytest.importorskip("ray")
 
+from fairbatch.deployments.cluster.channel import ActorOwner  # noqa: E402
 from fairbatch.deployments.cluster.replica import Replica, ReplicaConfig  # noqa: E402
 from fairbatch.deployments.cluster.wire import RequestMeta  # noqa: E402
 from fairbatch.engine.sampling_params import SamplingParams  # noqa: E402
@@ -162,14 +163,14 @@ def test_a_dead_consumers_late_submissions_are_refused_not_run(monkeypatch):
     otherwise run to its last token with nobody reading. Other consumers are served."""
     from fairbatch.deployments.cluster import replica as replica_module
 
-    async def dead(handle, timeout_s):
-        return handle == "dead-owner"
+    async def dead(owner, timeout_s):
+        return owner == ActorOwner("dead-owner")
 
-    monkeypatch.setattr(replica_module, "actor_is_dead", dead)
+    monkeypatch.setattr(replica_module, "owner_is_dead", dead)
 
     async def main():
         rep = replica()
-        first = await rep.submit("c", [meta(0, 400)], owner="dead-owner")
+        first = await rep.submit("c", [meta(0, 400)], owner=ActorOwner("dead-owner"))
         await rep._check_owner(rep._boxes["c"])
         late = await rep.submit("c", [meta(1, 400), meta(2, 400)], forwarded=True)
         moved = await rep.adopt("c", object())
@@ -302,21 +303,23 @@ def report(replica_id: str, handle, seats: int):
     return ReplicaReport(replica_id, 1, seats, 64, 64, 16, 0, 0, 0, 0, {}, [], {}, handle=handle)
 
 
-def test_forwards_carry_the_consumers_handle_and_a_dead_subscribers_queue_is_cancelled(
+def test_forwards_carry_the_consumers_owner_and_a_dead_subscribers_queue_is_cancelled(
     monkeypatch,
 ):
-    """The controller forwards a subscriber's requests with its process's actor handle, once
-    per (replica, consumer), so a replica watches a consumer that has not opened a channel
-    there; once that process is dead, its requests still queued are cancelled, its assignment
-    stream ends and nothing is kept for it."""
+    """The controller forwards a subscriber's requests with its process's owner, once per
+    (replica, consumer), so a replica watches a consumer that has not opened a channel there;
+    once that process is dead, its requests still queued are cancelled, its assignment stream
+    ends and nothing is kept for it."""
     from fairbatch.deployments.cluster import replica as replica_module
     from fairbatch.deployments.cluster.controller import Controller
     from fairbatch.deployments.cluster.fairness import ControllerConfig
 
-    async def dead(handle, timeout_s):
-        return handle == "owner-of-s1"
+    owner = ActorOwner("owner-of-s1")
 
-    monkeypatch.setattr(replica_module, "actor_is_dead", dead)
+    async def dead(of, timeout_s):
+        return of == owner
+
+    monkeypatch.setattr(replica_module, "owner_is_dead", dead)
 
     def forwarded(i: int, consumer: str) -> RequestMeta:
         m = meta(i, 100)
@@ -329,7 +332,7 @@ def test_forwards_carry_the_consumers_handle_and_a_dead_subscribers_queue_is_can
         handles = {rid: _Recorder(calls) for rid in ("ra", "rb")}
         for rid, handle in handles.items():
             await ctl.report(report(rid, handle, seats=2))
-        stream = ctl.assignments("s1", "owner-of-s1")
+        stream = ctl.assignments("s1", owner)
         first = asyncio.ensure_future(stream.__anext__())
         await asyncio.sleep(0)  # the stream has registered its owner
         await ctl.submit_many("s1", [forwarded(i, "c1") for i in range(6)])  # 4 seats
@@ -351,9 +354,9 @@ def test_forwards_carry_the_consumers_handle_and_a_dead_subscribers_queue_is_can
     assert sorted(r for c in calls for r in c[2]) == sorted(a.request_id for a in placed)
     assert len(placed) == 4 and all(c[1] == "c1" and c[4] for c in calls)
     owners: dict[int, list] = {}
-    for handle, _, _, owner, _ in calls:
-        owners.setdefault(id(handle), []).append(owner)
-    assert sorted(owners.values()) == [["owner-of-s1", None], ["owner-of-s1", None]]
+    for handle, _, _, sent, _ in calls:
+        owners.setdefault(id(handle), []).append(sent)
+    assert list(owners.values()) == [[owner, None], [owner, None]]
     assert queued == {"default": 2} and after == {}  # the two queued ones were cancelled
     assert ended and left == ({}, {}, {}, {})
 

@@ -2,8 +2,8 @@
 a Ray driver: its queued requests are cancelled there rather than placed and run unread to
 their last token, its assignment stream ends, and its requests already running end on the
 replica (which the controller told whom to watch, also for requests it forwarded before the
-client opened its channel there). An actor is known dead by a ping, a driver by its job's
-entry in the GCS. Another client is served throughout. Every wait is bounded."""
+client opened its channel there). Both are known dead by the GCS: an actor by its entry in the
+actor table, a driver by its job's. Another client is served throughout. Every wait is bounded."""
 
 from __future__ import annotations
 
@@ -15,10 +15,11 @@ import time
 import pytest
 import ray
 
+from fairbatch.deployments.cluster.channel import ActorOwner, DriverOwner
 from fairbatch.deployments.cluster.client import ClusterClient
 from fairbatch.deployments.cluster.fairness import ControllerConfig
 from fairbatch.deployments.cluster.launch import NAMESPACE, start_cluster
-from fairbatch.deployments.cluster.replica import ReplicaConfig
+from fairbatch.deployments.cluster.replica import ReplicaConfig, owner_is_dead
 from fairbatch.engine.sampling_params import SamplingParams
 
 SEATS = 2
@@ -72,6 +73,7 @@ def wait_until(pred, timeout_s: float, what: str):
 FLOOD_DRIVER = r"""
 import asyncio, sys
 import ray
+from fairbatch.deployments.cluster.channel import ActorOwner, DriverOwner
 from fairbatch.deployments.cluster.client import ClusterClient
 from fairbatch.engine.sampling_params import SamplingParams
 
@@ -139,6 +141,30 @@ def a_client_dies(cluster, tokens_so_far, kill) -> None:
         return n
 
     assert asyncio.run(asyncio.wait_for(served(), 60)) == 5
+
+
+@ray.remote(num_cpus=0)
+class Idle:
+    def ready(self) -> str:
+        return ray.get_runtime_context().get_actor_id()
+
+
+def test_the_gcs_tells_a_dead_owner_from_a_live_one(cluster):
+    """`owner_is_dead` reads the GCS: a live actor and this driver's job are not dead; a
+    killed actor is, and so is an id the GCS does not know (it forgets dead actors past a
+    count); no answer in time is not proof, even for a dead one."""
+    actor = Idle.remote()
+    owner = ActorOwner(ray.get(actor.ready.remote(), timeout=30))
+    job = DriverOwner(ray.get_runtime_context().get_job_id())
+
+    def dead(o, timeout_s: float = 10.0) -> bool:
+        return asyncio.run(owner_is_dead(o, timeout_s))
+
+    assert not dead(owner) and not dead(job)
+    ray.kill(actor, no_restart=True)
+    wait_until(lambda: (dead(owner), owner), 30, "the killed actor is not dead in the GCS")
+    assert not dead(owner, timeout_s=0.0)  # no answer in time
+    assert dead(ActorOwner("ff" * 16))  # a well-formed id the GCS never had
 
 
 def test_a_dead_clients_queued_requests_are_cancelled_and_its_running_ones_end(cluster):

@@ -549,6 +549,26 @@ def test_handle_call_from_a_second_app(served):
     serve.delete("caller")
 
 
+def test_the_cluster_never_imports_ray_serve(served):
+    """The controller and the replicas know each consumer's process (an ingress replica) by its
+    actor id, never by its handle: a process deserializes a Serve replica's handle by importing
+    Ray Serve (~0.6 s here), on the event loop that received it, and that held up the first
+    requests of every new ingress. Checked after requests over HTTP and from a second app."""
+    client(served, "c").completions.create(model=MODEL, prompt="hi", max_tokens=2)
+    named = ray.util.list_named_actors(all_namespaces=True)
+    (controller,) = [
+        a for a in named if a["name"].startswith("fbtest-") and "controller" in a["name"]
+    ]
+    actors = {controller["name"]: ray.get_actor(controller["name"], controller["namespace"])}
+    actors.update(replicas())
+    assert len(actors) == 3
+    imported = {
+        name: ray.get(h.__ray_call__.remote(lambda self: "ray.serve" in sys.modules), timeout=30)
+        for name, h in actors.items()
+    }
+    assert imported == {name: False for name in actors}
+
+
 # ---- metrics (last: the earlier tests produced the samples) -----------------------------------
 
 
