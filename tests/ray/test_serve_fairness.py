@@ -8,6 +8,11 @@ tenant is sampled); the tokens each is served (from every stream's `usage`) over
 after warm-up must be 3:1 within 15%. A priority-10 tenant sends one request at a time
 meanwhile, from a process of its own: its median TTFT under that load must stay within 2x of
 its median TTFT on the idle app, measured in the same test.
+
+Twice: with the tiny model, where the two engine threads and the serving plane share 2 cores
+(the 2x does not hold there: xfail, with the hops), and with replicas paced like a GPU
+(`model: sim`, `time_scale: 1`: a step takes its modelled GPU time and next to no CPU), where
+it must.
 """
 
 from __future__ import annotations
@@ -34,7 +39,14 @@ PROBE_MAX_TOKENS = 4
 MODEL = "fairbatch-tiny"
 
 
-def app_args() -> dict:
+# the replicas behind the app: `fairbatch serve`'s tiny model, or simulated and GPU-paced
+REPLICAS = {
+    "tiny": {},
+    "paced": {"model": "sim", "served_model_name": MODEL, "engine": {"time_scale": 1.0}},
+}
+
+
+def app_args(replicas: str = "tiny") -> dict:
     return {  # `fairbatch serve` defaults, plus three tenants with keys
         "model": "tiny",
         "num_replicas": 2,
@@ -47,13 +59,16 @@ def app_args() -> dict:
             {"name": "p", "api_key": KEYS["p"], "priority": 10},
             {"name": "q", "api_key": KEYS["q"], "max_requests": 1},  # the refusal probe
         ],
+        **REPLICAS[replicas],
     }
 
 
 @pytest.fixture(scope="module")
-def app(ray_starter, tmp_path_factory):
+def app(request, ray_starter, tmp_path_factory):
+    """The app, on the replicas `REPLICAS[param]` (tests pick them with `indirect`)."""
     from fairbatch.deployments.serve.cli import serve_env
 
+    replicas = request.param
     saved = dict(os.environ)
     port = free_port()
     serve_env(port)  # as `fairbatch serve` starts Ray: direct ingress on `port`
@@ -62,8 +77,8 @@ def app(ray_starter, tmp_path_factory):
     ray_starter(num_gpus=2)
     loop = ServerLoop()
     try:
-        base = run_serve_app(app_args(), port, timeout_s=240)
-        yield {"base": base, "loop": loop, "traces": traces}
+        base = run_serve_app(app_args(replicas), port, timeout_s=240)
+        yield {"base": base, "loop": loop, "traces": traces, "replicas": replicas}
     finally:
         from ray import serve
 
@@ -277,6 +292,7 @@ async def scenario(transport, kind: str, target: str, traces: str) -> dict:
     }
 
 
+@pytest.mark.parametrize("app", ["tiny", "paced"], indirect=True)
 @pytest.mark.parametrize("transport", ["http", "handle"])
 def test_weights_and_priority_hold_end_to_end(app, transport):
     loop: ServerLoop = app["loop"]
@@ -302,13 +318,15 @@ def test_weights_and_priority_hold_end_to_end(app, transport):
     assert "total" in got["hops_loaded"] and "step_cpu" in got["hops_loaded"], got
     # The priority shows: its requests skip the queue the backlogged tenants wait in.
     assert got["loaded_ttft_ms"] <= 0.25 * got["backlogged_ttft_ms"], got
-    # The goal (issue 15): within 2x of idle. Not on 2 cores: a priority request waits out the
-    # step running when it arrives (`replica->engine_added`, ~15 ms), and its own step (16
-    # decodes beside its prefill) takes ~14 ms of CPU plus ~14-17 ms waiting for a core
-    # (`step_wait`), against ~8 ms of CPU and ~1 ms waiting idle: 2 engine threads and the
-    # serving plane share the cores. XFAIL with the numbers and the hops, not hidden.
-    if got["loaded_ttft_ms"] > 2 * got["idle_ttft_ms"]:
+    # The goal: within 2x of idle. Not with the tiny model on 2 cores: a priority request
+    # waits out the step running when it arrives (`replica->engine_added`, ~9 ms), and its own
+    # step (15 decodes beside its prefill) takes ~8.5 ms of CPU plus ~8 ms waiting for a core
+    # (`step_wait`): 2 engine threads and the serving plane share the cores. XFAIL with the
+    # numbers and the hops, not hidden. With GPU-paced replicas (no contention for cores) it
+    # holds: ~1.5x on this machine.
+    if app["replicas"] == "tiny" and got["loaded_ttft_ms"] > 2 * got["idle_ttft_ms"]:
         pytest.xfail(f"priority TTFT {got['loaded_ttft_ms']} ms > 2x idle: {got}")
+    assert got["loaded_ttft_ms"] <= 2 * got["idle_ttft_ms"], got
 
 
 # ---- overload -----------------------------------------------------------------------------------
@@ -397,6 +415,7 @@ async def overload(base: str) -> dict:
     return stats
 
 
+@pytest.mark.parametrize("app", ["tiny"], indirect=True)
 def test_overload_refuses_at_once_and_loses_nothing(app):
     import subprocess
     import sys
