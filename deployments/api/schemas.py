@@ -102,13 +102,10 @@ class _SamplingFields(_Body):
             return None
         out: dict[int, float] = {}
         for key, value in self.logit_bias.items():
-            try:
-                token = int(key)
-            except ValueError:
-                raise bad_request(
-                    f"logit_bias keys must be token ids, got {key!r}", "logit_bias"
-                ) from None
-            if not 0 <= token < vocab:
+            if not (key.isascii() and key.isdigit()):  # (int() also takes " 5 ", "+5", "5_0")
+                raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+            token = int(key)
+            if not token < vocab:
                 raise bad_request(
                     f"logit_bias token id {token} is outside the vocabulary [0, {vocab})",
                     "logit_bias",
@@ -333,6 +330,10 @@ class ChatCompletionRequest(_SamplingFields):
                 if m.role != "tool":
                     raise bad_request("only tool messages carry tool_call_id", f"messages.{i}")
                 msg["tool_call_id"] = m.tool_call_id
+            elif m.role == "tool":  # (as OpenAI: the result of which call)
+                raise bad_request(
+                    "a tool message needs the tool_call_id it answers", f"messages.{i}.tool_call_id"
+                )
             out.append(msg)
         return out
 

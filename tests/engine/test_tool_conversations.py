@@ -152,6 +152,7 @@ def test_langchain_sends_the_tool_result_back(served):
         ([QUESTION, {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function"}]}],
          "messages.1.tool_calls.0.function"),
         ([QUESTION, {"role": "tool", "tool_call_id": "c1"}], "messages.1.content"),
+        ([QUESTION, {"role": "tool", "content": "21 C"}], "messages.1.tool_call_id"),
     ],
 )  # fmt: skip
 def test_malformed_tool_history_answers_400_naming_the_field(served, history, param):
