@@ -547,8 +547,8 @@ class Controller:
                 self._answer(rid, Assignment(rid, "", None, finish_reason=action.finish_reason))
             elif isinstance(action, Preempt):
                 handle = self.handles.get(action.replica_id)
-                if handle is not None:
-                    handle.preempt.remote(action.request_id, action.mode)
+                if handle is not None:  # (spawned before the forwards below: it starts first)
+                    self._spawn(self._preempt(action, handle))
             elif isinstance(action, Migrate):
                 self._spawn(self._migrate(action))
         for (replica_id, consumer), metas in forwards.items():
@@ -595,6 +595,25 @@ class Controller:
             self.core.cancel(rid)
         if refused:
             self._apply(self.core.dispatch())
+
+    async def _preempt(self, action: Preempt, handle: Any) -> None:
+        """Preempt on its replica: over the replica's socket, where the forwards go (so it
+        starts there before the submission of the request it makes room for), or as an actor
+        call when the socket fails or `submit_transport` is "ray" (preempting a request that
+        is not running, preempted already or ended, does nothing)."""
+        args = (action.request_id, action.mode)
+        if self.config.submit_transport == "socket":
+            try:
+                await self._calls_to(action.replica_id, handle).call("preempt", *args)
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # unreachable, or the connection broke: over Ray
+                log.info("preempt over %s's socket failed (%r): over Ray", action.replica_id, e)
+        try:
+            await handle.preempt.remote(*args)
+        except Exception as e:  # the replica died: its requests are resubmitted elsewhere
+            log.info("preempt %s on %s failed: %r", action.request_id, action.replica_id, e)
 
     def _calls_to(self, replica_id: str, handle: Any) -> CallClient:
         """The calls to a replica over its socket (one connection per replica id: an id never

@@ -445,7 +445,7 @@ class Replica:
 
     async def call_socket(self, caller: str) -> Offer:
         """An offer of calls over this replica's socket (`socket_channel.CallClient`): the
-        controller's forwarded submissions."""
+        controller's forwarded submissions and preemptions."""
         return await self._channel_server().offer(caller, self._serve_calls)
 
     def _channel_server(self) -> ChannelServer:
@@ -454,7 +454,7 @@ class Replica:
         return self._socket
 
     async def _serve_calls(self, caller: str, reader: Any, writer: Any) -> None:
-        await serve_calls({"submit": self.submit}, reader, writer)
+        await serve_calls({"submit": self.submit, "preempt": self.preempt}, reader, writer)
 
     async def _serve_socket(self, consumer: str, reader: Any, writer: Any) -> None:
         async def framed():

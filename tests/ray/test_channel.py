@@ -297,6 +297,61 @@ class _Recorder:
         self.submit = _Method(submit)
 
 
+class _Preemptible(_Handle):
+    """`_Handle` with the replica's call socket, recording the preemptions that come over Ray;
+    `reachable` False: its socket offers a port nobody listens on."""
+
+    def __init__(self, rep: Replica, over_ray: list, reachable: bool = True) -> None:
+        super().__init__(rep)
+
+        async def call_socket(caller):
+            offer = await rep.call_socket(caller)
+            if reachable:
+                return offer
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                return dataclasses.replace(offer, port=s.getsockname()[1])
+
+        async def preempt(request_id, mode):
+            over_ray.append(request_id)
+            return await rep.preempt(request_id, mode)
+
+        self.call_socket = _Method(call_socket)
+        self.preempt = _Method(preempt)
+
+
+@pytest.mark.parametrize("reachable", [True, False])
+def test_the_controllers_preemption_goes_over_the_replicas_socket(reachable):
+    """A coordinated preemption reaches its replica as a call on the replica's socket, where
+    the forwards go (so it starts there before the submission it makes room for); over Ray
+    only when that socket cannot be reached. Either way the request is preempted once."""
+    from fairbatch.deployments.cluster.controller import Controller
+    from fairbatch.deployments.cluster.fairness import ControllerConfig
+    from fairbatch.deployments.cluster.tickets import Preempt
+
+    async def main():
+        rep = replica(time_scale=1.0)
+        over_ray: list = []
+        handle = _Preemptible(rep, over_ray, reachable)
+        ctl = Controller(ControllerConfig(local_queue=0))
+        channel = rep.channel("c")
+        assert await rep.submit("c", [meta(0, 400)]) == [None]
+        while not rep.core.scheduler.running:  # it started
+            await asyncio.sleep(0.01)
+        await ctl._preempt(Preempt("rep", "r0", "recompute"), handle)
+        preempted = rep.core.scheduler.num_preemptions["recompute"]
+        await rep.abort("r0")
+        await read_until_finished(channel, 1)
+        for client in ctl._calls.values():
+            client.close()
+        await rep.engine.shutdown()
+        return over_ray, preempted
+
+    over_ray, preempted = run(main())
+    assert preempted == 1
+    assert over_ray == ([] if reachable else ["r0"])
+
+
 def report(replica_id: str, handle, seats: int):
     from fairbatch.deployments.cluster.wire import ReplicaReport
 
