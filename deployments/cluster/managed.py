@@ -45,7 +45,7 @@ class ClusterController(Controller):
         replicas: ReplicaSet | None = None,
     ) -> None:
         super().__init__(config, replicas)
-        self.users: dict[str, Any] = {}  # attached ingress -> its ActorOwner (None: unknown)
+        self.users: dict[str, ActorOwner | None] = {}  # attached ingress -> its actor
         self.metrics_interval_s = metrics_interval_s
         self._metrics_task: asyncio.Task | None = None
         self._tenant_updates: dict[str, tuple[float, int]] = {}  # for replacement replicas

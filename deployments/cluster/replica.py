@@ -191,8 +191,8 @@ async def owner_is_dead(owner: ActorOwner | DriverOwner, timeout_s: float) -> bo
     import ray
     from ray.core.generated.gcs_pb2 import ActorTableData
 
-    gcs = ray._private.worker.global_worker.gcs_client  # (these tables have no public API)
     try:
+        gcs = ray._private.worker.global_worker.gcs_client  # (these tables have no public API)
         if isinstance(owner, ActorOwner):
             actors = await asyncio.wait_for(
                 gcs.async_get_all_actor_info(
