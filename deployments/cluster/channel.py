@@ -30,6 +30,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+import ray
 from ray.exceptions import RayActorError
 
 from fairbatch.deployments.cluster import trace
@@ -67,6 +68,18 @@ class DriverOwner:
     job. The GCS marks a driver's job dead as soon as the driver's process is gone."""
 
     job_id: str  # hex
+
+
+def own_process() -> ActorOwner | DriverOwner | None:
+    """The process the caller runs in: its actor, or its driver's job; None in a task (no
+    process of its own to check)."""
+    ctx = ray.get_runtime_context()
+    actor_id = ctx.get_actor_id()
+    if actor_id is not None:
+        return ActorOwner(actor_id)
+    if ctx.worker.mode == ray.SCRIPT_MODE:
+        return DriverOwner(ctx.get_job_id())
+    return None
 
 
 @dataclass

@@ -42,6 +42,7 @@ from fairbatch.deployments.cluster.channel import (
     ReplicaLink,
     RequestRefused,
     check_transport,
+    own_process,
 )
 from fairbatch.deployments.cluster.socket_channel import CallClient, MovePending
 from fairbatch.deployments.cluster.wire import (
@@ -99,16 +100,9 @@ class ClusterClient:
         return self.controller
 
     def owner(self) -> ActorOwner | DriverOwner | None:
-        """The process this client runs in: its actor, or its driver's job; None in a task
-        (no process of its own to check)."""
+        """The process this client runs in (`channel.own_process`), looked up once."""
         if not self._owner_known:
-            ctx = ray.get_runtime_context()
-            actor_id = ctx.get_actor_id()
-            if actor_id is not None:
-                self._owner = ActorOwner(actor_id)
-            elif ctx.worker.mode == ray.SCRIPT_MODE:
-                job_id = ctx.get_job_id()
-                self._owner = DriverOwner(job_id)
+            self._owner = own_process()
             self._owner_known = True
         return self._owner
 

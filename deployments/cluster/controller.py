@@ -570,26 +570,16 @@ class Controller:
     async def _forward(
         self, replica_id: str, handle: Any, consumer: str, metas: list[RequestMeta], owner: Any
     ) -> None:
-        """Submit `metas` to their replica for `consumer`: over the replica's socket, or as an
-        actor call when the socket fails or `submit_transport` is "ray". A forwarded submission
-        is idempotent, so one the socket lost is sent again over Ray. A request the replica
-        refused ended there with an error item to its client; here it leaves its slot."""
-        errors = None
-        if self.config.submit_transport == "socket":
-            try:
-                errors = await self._calls_to(replica_id, handle).call(
-                    "submit", consumer, metas, owner, True
-                )
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # unreachable, or the connection broke: over Ray
-                log.info("forwarding over %s's socket failed (%r): over Ray", replica_id, e)
-        if errors is None:
-            try:
-                errors = await handle.submit.remote(consumer, metas, owner, True)
-            except Exception as e:  # the replica died: its clients resubmit (the link breaks)
-                log.info("forwarding %d request(s) failed: %r", len(metas), e)
-                return
+        """Submit `metas` to their replica for `consumer` (`_on_replica`: a forwarded
+        submission is idempotent). A request the replica refused ended there with an error
+        item to its client; here it leaves its slot."""
+        try:
+            errors = await self._on_replica(
+                replica_id, handle, "submit", consumer, metas, owner, True
+            )
+        except Exception as e:  # the replica died: its clients resubmit (the link breaks)
+            log.info("forwarding %d request(s) failed: %r", len(metas), e)
+            return
         refused = [m.request_id for m, error in zip(metas, errors) if error]
         for rid in refused:
             self.core.cancel(rid)
@@ -597,23 +587,27 @@ class Controller:
             self._apply(self.core.dispatch())
 
     async def _preempt(self, action: Preempt, handle: Any) -> None:
-        """Preempt on its replica: over the replica's socket, where the forwards go (so it
-        starts there before the submission of the request it makes room for), or as an actor
-        call when the socket fails or `submit_transport` is "ray" (preempting a request that
-        is not running, preempted already or ended, does nothing)."""
-        args = (action.request_id, action.mode)
+        """Preempt on its replica (`_on_replica`, where the forwards go: it starts there before
+        the submission of the request it makes room for; preempting a request that is not
+        running, preempted already or ended, does nothing)."""
+        rid = action.request_id
+        try:
+            await self._on_replica(action.replica_id, handle, "preempt", rid, action.mode)
+        except Exception as e:  # the replica died: its requests are resubmitted elsewhere
+            log.info("preempt %s on %s failed: %r", rid, action.replica_id, e)
+
+    async def _on_replica(self, replica_id: str, handle: Any, name: str, *args: Any) -> Any:
+        """`name(*args)` on the replica: over its socket, or as an actor call when the socket
+        fails (so only for calls that may run twice) or `submit_transport` is "ray". Raises
+        what the actor call raises."""
         if self.config.submit_transport == "socket":
             try:
-                await self._calls_to(action.replica_id, handle).call("preempt", *args)
-                return
+                return await self._calls_to(replica_id, handle).call(name, *args)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # unreachable, or the connection broke: over Ray
-                log.info("preempt over %s's socket failed (%r): over Ray", action.replica_id, e)
-        try:
-            await handle.preempt.remote(*args)
-        except Exception as e:  # the replica died: its requests are resubmitted elsewhere
-            log.info("preempt %s on %s failed: %r", action.request_id, action.replica_id, e)
+                log.info("%s over %s's socket failed (%r): over Ray", name, replica_id, e)
+        return await getattr(handle, name).remote(*args)
 
     def _calls_to(self, replica_id: str, handle: Any) -> CallClient:
         """The calls to a replica over its socket (one connection per replica id: an id never

@@ -69,8 +69,8 @@ class ClusterController(Controller):
         return len(self.users)
 
     async def _forget_dead_users(self) -> None:
-        users = [(u, h) for u, h in self.users.items() if h is not None]
-        verdicts = await asyncio.gather(*(owner_is_dead(h, UPDATE_TIMEOUT_S) for _, h in users))
+        users = [(u, o) for u, o in self.users.items() if o is not None]
+        verdicts = await asyncio.gather(*(owner_is_dead(o, UPDATE_TIMEOUT_S) for _, o in users))
         for (user, _), is_dead in zip(users, verdicts):
             if is_dead:
                 log.info("ingress %s died without detaching: no longer counted", user)

@@ -23,7 +23,7 @@ import ray
 from ray import serve
 
 from fairbatch.deployments.api.server import bind_backend, create_app
-from fairbatch.deployments.cluster.channel import ActorOwner
+from fairbatch.deployments.cluster.channel import own_process
 from fairbatch.deployments.metrics import Deltas, get_metrics
 from fairbatch.deployments.serve.handle_api import HandleApi
 
@@ -88,7 +88,7 @@ class FairbatchIngress(HandleApi):
         )
         log.info("starting or joining cluster %s: %d x %s", spec.cluster_id(), n, cfg.model)
         self.handles = await ensure_cluster(spec, cfg.startup_timeout_s)
-        await self.handles.controller.attach.remote(self.user, _own_actor())
+        await self.handles.controller.attach.remote(self.user, own_process())
         self.backend = ClusterBackend(
             self.handles,
             tokenizer,
@@ -148,9 +148,3 @@ class FairbatchIngress(HandleApi):
         if left == 0:
             log.info("last ingress gone: shutting down cluster %s", handles.cluster_id)
             kill_cluster(handles)
-
-
-def _own_actor() -> ActorOwner | None:
-    """This process's actor (an ingress replica is one), or None outside an actor."""
-    actor_id = ray.get_runtime_context().get_actor_id()
-    return None if actor_id is None else ActorOwner(actor_id)

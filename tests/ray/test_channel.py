@@ -210,6 +210,14 @@ class _Handle:
         self.channel_socket = _Method(rep.channel_socket)
 
 
+def _unreachable(offer):
+    """`offer` on a port with nothing listening on it (a firewall between the nodes)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return dataclasses.replace(offer, port=port)
+
+
 class _UnreachableSocket(_Handle):
     """Its replica offers a socket nobody can reach (a firewall between the nodes)."""
 
@@ -217,11 +225,7 @@ class _UnreachableSocket(_Handle):
         super().__init__(rep)
 
         async def channel_socket(consumer, owner):
-            offer = await rep.channel_socket(consumer, owner)
-            with socket.socket() as s:  # a port with nothing listening on it
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            return dataclasses.replace(offer, port=port)
+            return _unreachable(await rep.channel_socket(consumer, owner))
 
         self.channel_socket = _Method(channel_socket)
 
@@ -306,11 +310,7 @@ class _Preemptible(_Handle):
 
         async def call_socket(caller):
             offer = await rep.call_socket(caller)
-            if reachable:
-                return offer
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                return dataclasses.replace(offer, port=s.getsockname()[1])
+            return offer if reachable else _unreachable(offer)
 
         async def preempt(request_id, mode):
             over_ray.append(request_id)
