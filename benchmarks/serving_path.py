@@ -2,6 +2,9 @@
 
 The same requests (token-id prompts, greedy, `ignore_eos`, a fixed number of streams) go
   * `offline`: `LLM("tiny", max_num_seqs=replicas x seats).generate(...)` in this process;
+  * `engines`: the replicas' engines alone, one process each (`LLM("tiny", max_num_seqs=seats)`
+    on one torch thread, as a replica runs it), side by side, request i on engine
+    i % replicas: what the replicas could deliver here if nothing else ran;
   * `local_http`: the local HTTP server (`serve_server`, one engine, no Ray) and a streaming
     HTTP client;
   * `serve_http@<ms>`: the Ray Serve app (`build_app`: ingress + controller + replica actors)
@@ -15,7 +18,8 @@ The same requests (token-id prompts, greedy, `ignore_eos`, a fixed number of str
 to no CPU, as on a GPU node, so what the Serve paths lose is replica time the plane leaves
 idle. `offline` is then one such engine (the seats of one replica, its share of the requests)
 stepped back to back in this process, its rate times the replicas: what the replicas would
-deliver with nothing between them and the client. `local_http` runs the tiny model only.
+deliver with nothing between them and the client. `engines` and `local_http` run the tiny model
+only.
 
 For each: output tokens/s and its ratio to offline; TTFT, TPOT and ITL p50/p99 (ITL: the gaps
 between the chunks a client receives, so coalescing lengthens it while TPOT stays); and the CPU
@@ -24,6 +28,8 @@ the machine before and after the timed run (roles from Ray's process titles: rep
 controller, ingress, proxy; `client` is this process; `ray_system` everything else Ray runs;
 `server` the local HTTP server). `replica_share` is the replicas' CPU over the machine's
 (cores x wall time): how much of the machine went to the model while requests were queued.
+`preemptions_per_s` counts, per role, how often a process's threads were taken off a core for
+another's (involuntary context switches, psutil).
 
 `--rounds N` runs every path N times in turn and reports each number's median over the rounds,
 with the range of the ratio to offline (taken within each round): on a shared machine one
@@ -53,7 +59,7 @@ ROLES = (  # process title prefix -> role (Ray sets the titles of its workers)
     ("ray::ServeReplica", "ingress"),
     ("ray::ProxyActor", "proxy"),
 )
-PATHS = ("offline", "local_http", "serve_http", "handle")
+PATHS = ("offline", "engines", "local_http", "serve_http", "handle")
 PATHS_DEFAULT = ",".join(PATHS)
 WARMUP_REQUESTS = 8
 
@@ -69,11 +75,11 @@ def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 # ---- CPU per process role -----------------------------------------------------------------------
 
 
-def _role(proc: Any, own_pid: int, server_pid: int | None) -> str:
+def _role(proc: Any, own_pid: int, roles: dict[int, str]) -> str:
     if proc.pid == own_pid:
         return "client"
-    if server_pid is not None and proc.pid == server_pid:
-        return "server"
+    if proc.pid in roles:
+        return roles[proc.pid]
     try:
         title = " ".join(proc.cmdline())
     except Exception:
@@ -86,28 +92,50 @@ def _role(proc: Any, own_pid: int, server_pid: int | None) -> str:
     return "other"
 
 
-def cpu_snapshot(server_pid: int | None = None) -> dict[int, tuple[str, float]]:
-    """pid -> (role, user + system CPU seconds) for every process we may read."""
+def cpu_snapshot(roles: dict[int, str] | None = None) -> dict[int, tuple[str, float, int]]:
+    """pid -> (role, user + system CPU seconds, involuntary context switches) for every
+    process we may read. `roles` names processes the titles do not (pid -> role)."""
     import psutil
 
     own = os.getpid()
-    snap: dict[int, tuple[str, float]] = {}
+    snap: dict[int, tuple[str, float, int]] = {}
     for proc in psutil.process_iter():
         try:
             t = proc.cpu_times()
-            snap[proc.pid] = (_role(proc, own, server_pid), t.user + t.system)
+            switches = _involuntary_switches(proc)
+            snap[proc.pid] = (_role(proc, own, roles or {}), t.user + t.system, switches)
         except Exception:  # gone, or not ours to read
             continue
     return snap
 
 
-def cpu_by_role(before: dict, after: dict) -> dict[str, float]:
-    """CPU seconds per role between two snapshots (a process born in between counts whole)."""
+def _involuntary_switches(proc: Any) -> int:
+    """Times the kernel took a core from any of the process's threads for another's. psutil's
+    count (/proc/PID/status) is the main thread's alone; Linux lists every thread's."""
+    try:
+        tasks = os.listdir(f"/proc/{proc.pid}/task")
+    except OSError:  # not Linux
+        return proc.num_ctx_switches().involuntary
+    total = 0
+    for tid in tasks:
+        try:
+            with open(f"/proc/{proc.pid}/task/{tid}/status") as f:
+                for line in f:
+                    if line.startswith("nonvoluntary_ctxt_switches:"):
+                        total += int(line.split()[1])
+        except OSError:  # the thread ended meanwhile
+            continue
+    return total
+
+
+def by_role(before: dict, after: dict, field: int = 1) -> dict[str, float]:
+    """Per role, how much of a snapshot's `field` (1: CPU seconds, 2: involuntary context
+    switches) was spent between two snapshots (a process born in between counts whole)."""
     out: dict[str, float] = {}
-    for pid, (role, cpu) in after.items():
-        spent = cpu - before[pid][1] if pid in before else cpu
+    for pid, now in after.items():
+        spent = now[field] - before[pid][field] if pid in before else now[field]
         if spent > 0:
-            out[role] = out.get(role, 0.0) + spent
+            out[now[0]] = out.get(now[0], 0.0) + spent
     out.pop("other", None)  # not ours (the shell, an editor): left out of every figure
     return {k: round(v, 3) for k, v in sorted(out.items())}
 
@@ -204,12 +232,13 @@ async def handle_run(handle: Any, ids: list[list[int]], wl: dict, n_tokens: int)
 # ---- one row per path ---------------------------------------------------------------------------
 
 
-def measure(label: str, fn, wl: dict, server_pid: int | None = None) -> dict:
+def measure(label: str, fn, wl: dict, roles: dict[int, str] | None = None) -> dict:
     """Run `fn()` -> (results, duration) between two CPU snapshots; the row for `label`."""
-    before = cpu_snapshot(server_pid)
+    before = cpu_snapshot(roles)
     results, duration = fn()
-    after = cpu_snapshot(server_pid)
-    cpu = cpu_by_role(before, after)
+    after = cpu_snapshot(roles)
+    cpu = by_role(before, after)
+    switches = by_role(before, after, field=2)
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.completion_tokens for r in ok)
     lat = request_metrics(results) if results and results[0].chunk_times_s else {}
@@ -226,6 +255,9 @@ def measure(label: str, fn, wl: dict, server_pid: int | None = None) -> dict:
         "cpu_s": cpu,
         "cpu_ms_per_token": per_k,  # CPU s per 1,000 tokens = CPU ms per token
         "replica_share": round(cpu.get("replicas", 0.0) / (cores * duration), 3),
+        # how often the kernel took a core from each role's threads for another's, per second:
+        # each time, the thread comes back to caches and predictors the other one used
+        "preemptions_per_s": {k: round(v / duration) for k, v in switches.items()},
         "plane_cpu_ms_per_token": round(
             sum(cpu.get(k, 0.0) for k in ("ingress", "proxy", "controller"))
             * 1000
@@ -261,6 +293,89 @@ def offline_run(ids: list[list[int]], wl: dict, seats: int) -> dict:
         return results, duration
 
     return measure("offline", go, wl)
+
+
+def _engine_process(seats: int, wl: dict, share: list[list[int]], conn: Any) -> None:
+    """One engine of `engines`: the tiny model with one replica's seats on one torch thread
+    (as a replica runs it), warmed up; runs `share` when told, sends back what it made."""
+    import torch
+
+    torch.set_num_threads(1)
+    from fairbatch.engine import LLM, SamplingParams
+
+    llm = LLM("tiny", max_num_seqs=seats, num_gpu_blocks=wl["num_gpu_blocks"])
+    warm = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    llm.generate(share[:WARMUP_REQUESTS], warm, use_tqdm=False)
+    conn.send("ready")
+    conn.recv()  # go
+    params = SamplingParams(max_tokens=wl["output_len"], temperature=0.0, ignore_eos=True)
+    outs = llm.generate(share, params, use_tqdm=False)
+    conn.send([(list(o.token_ids), o.finish_reason) for o in outs])
+    conn.recv()  # the CPU was read: exit
+
+
+def engines_generate(ids: list[list[int]], wl: dict, between: Any = None):
+    """`wl["replicas"]` engine processes side by side, request i on engine i % replicas, all
+    started at once. `between(go)` runs `go()` -> (outputs in `ids` order, seconds from the
+    start to the last engine's end) while the processes are alive (so their CPU can be read);
+    returns what `between` returns, or the outputs and seconds without one."""
+    import multiprocessing as mp
+
+    n = wl["replicas"]
+    ctx = mp.get_context("spawn")  # a fresh interpreter, as each replica is
+    pipes, procs = [], []
+    try:
+        for k in range(n):
+            mine, theirs = ctx.Pipe()
+            proc = ctx.Process(target=_engine_process, args=(wl["seats"], wl, ids[k::n], theirs))
+            proc.start()
+            pipes.append(mine)
+            procs.append(proc)
+        for conn in pipes:
+            if conn.recv() != "ready":
+                raise RuntimeError("an engine process failed to start")
+
+        def go():
+            t0 = time.perf_counter()
+            for conn in pipes:
+                conn.send("go")
+            shares = [conn.recv() for conn in pipes]  # in order; the last one ends the timing
+            duration = time.perf_counter() - t0
+            outs: list[Any] = [None] * len(ids)
+            for k, share in enumerate(shares):
+                outs[k::n] = share
+            return outs, duration
+
+        return between(go, [p.pid for p in procs]) if between else go()
+    finally:
+        for conn in pipes:
+            try:
+                conn.send("exit")
+            except OSError:
+                pass
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+
+
+def engines_run(ids: list[list[int]], wl: dict) -> dict:
+    """The replicas' engines without anything around them: what the app's replicas could
+    deliver on this machine if the serving plane cost nothing (CPU or interruptions)."""
+
+    def between(go, pids: list[int]) -> dict:
+        def timed():
+            outs, duration = go()
+            t0 = time.perf_counter() - duration
+            results = [
+                _result(i, wl, t0, [], len(tokens), reason, None)
+                for i, (tokens, reason) in enumerate(outs)
+            ]
+            return results, duration
+
+        return measure("engines", timed, wl, roles=dict.fromkeys(pids, "replicas"))
+
+    return engines_generate(ids, wl, between)
 
 
 def sim_offline_run(ids: list[list[int]], wl: dict) -> dict:
@@ -311,7 +426,7 @@ def local_http_run(ids: list[list[int]], wl: dict, seats: int) -> dict:
         model = "fairbatch-tiny"
         asyncio.run(http_run(url, model, ids[:WARMUP_REQUESTS], wl, 8))
         fn = functools.partial(_sync, http_run, url, model, ids, wl, wl["output_len"])
-        return measure("local_http", fn, wl, server_pid=server.proc.pid)
+        return measure("local_http", fn, wl, roles={server.proc.pid: "server"})
 
 
 def serve_runs(ids: list[list[int]], wl: dict, paths: list[str]) -> list[dict]:
@@ -483,9 +598,10 @@ def table(rows: list[dict]) -> str:
     base = offline["output_tok_s"] if offline else None
     head = (
         "| path | tok/s | x offline | TTFT p50/p99 ms | TPOT p50/p99 ms | ITL p50/p99 ms "
-        "| CPU ms/token: replicas, ingress, proxy, controller, client | replica share |"
+        "| CPU ms/token: replicas, ingress, proxy, controller, client | replica share "
+        "| replicas preempted /s |"
     )
-    lines = [head, "|" + "---|" * 8]
+    lines = [head, "|" + "---|" * 9]
     for r in rows:
         ratio = f"{r['output_tok_s'] / base:.2f}" if base else "-"
         if "x_offline_range" in r:  # medians of rounds: the ratio as measured in each round
@@ -502,9 +618,11 @@ def table(rows: list[dict]) -> str:
         )
         if "server" in per:
             cpu += f" (server {per['server']:.3f})"
+        replicas = r.get("preemptions_per_s", {}).get("replicas")
+        preempted = "-" if replicas is None else f"{replicas:,.0f}"
         lines.append(
             f"| {r['path']} | {r['output_tok_s']:,.0f} | {ratio} | {pair('ttft')} | "
-            f"{pair('tpot')} | {pair('itl')} | {cpu} | {r['replica_share']:.2f} |"
+            f"{pair('tpot')} | {pair('itl')} | {cpu} | {r['replica_share']:.2f} | {preempted} |"
         )
     return "\n".join(lines)
 
@@ -543,10 +661,12 @@ def run(args: argparse.Namespace, result: dict, out: Path) -> str:
     unknown = sorted(set(paths) - set(PATHS))
     if unknown:
         raise SystemExit(f"--paths: unknown {', '.join(unknown)}; known: {', '.join(PATHS)}")
-    if wl["model"] == "sim" and "local_http" in paths:
-        if args.paths != PATHS_DEFAULT:
-            raise SystemExit("--paths local_http runs the tiny model only, not --sim-time-scale")
-        paths.remove("local_http")
+    for tiny_only in ("engines", "local_http"):
+        if wl["model"] == "sim" and tiny_only in paths:
+            if args.paths != PATHS_DEFAULT:
+                why = "runs the tiny model only, not --sim-time-scale"
+                raise SystemExit(f"--paths {tiny_only} {why}")
+            paths.remove(tiny_only)
     from fairbatch.engine.tokenizer import Tokenizer
 
     ids = prompts(wl["num_requests"], wl["prompt_len"], Tokenizer.tiny().vocab_size, args.seed)
@@ -560,6 +680,8 @@ def run(args: argparse.Namespace, result: dict, out: Path) -> str:
         if "offline" in paths:
             sim = wl["model"] == "sim"
             rows.append(sim_offline_run(ids, wl) if sim else offline_run(ids, wl, seats))
+        if "engines" in paths:
+            rows.append(engines_run(ids, wl))
         if "local_http" in paths:
             rows.append(local_http_run(ids, wl, seats))
         if "serve_http" in paths or "handle" in paths:

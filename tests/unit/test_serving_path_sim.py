@@ -1,6 +1,6 @@
 """`fairbatch bench serve --compare serving-path --sim-time-scale S`: the offline baseline is one
-simulated engine paced like its GPU, its rate times the replicas; local_http is refused (no Ray,
-no model weights: the simulated runner only)."""
+simulated engine paced like its GPU, its rate times the replicas; local_http and engines (the
+tiny model's paths) are refused."""
 
 from __future__ import annotations
 
@@ -62,8 +62,9 @@ def test_the_sim_baseline_is_one_paced_engine_times_the_replicas():
     assert row["output_tok_s"] == pytest.approx(64 / row["duration_s"], rel=0.02)
 
 
-def test_local_http_is_refused_with_the_sim_replicas(tmp_path):
+@pytest.mark.parametrize("path", ["local_http", "engines"])
+def test_the_tiny_model_paths_are_refused_with_the_sim_replicas(tmp_path, path):
     with pytest.raises(SystemExit, match="tiny model only"):
-        run(args(paths="local_http"), {}, tmp_path)
+        run(args(paths=path), {}, tmp_path)
     with pytest.raises(SystemExit, match=">= 0"):
         workload(args(sim_time_scale=-1.0))
