@@ -655,18 +655,24 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def run(args: argparse.Namespace, result: dict, out: Path) -> str:
-    wl = workload(args)
-    paths = args.paths.split(",")
+def choose_paths(chosen: str | None, wl: dict) -> list[str]:
+    """The paths `--paths` names (None: every path that runs with the workload's model)."""
+    paths = (chosen or PATHS_DEFAULT).split(",")
     unknown = sorted(set(paths) - set(PATHS))
     if unknown:
         raise SystemExit(f"--paths: unknown {', '.join(unknown)}; known: {', '.join(PATHS)}")
     for tiny_only in ("engines", "local_http"):
         if wl["model"] == "sim" and tiny_only in paths:
-            if args.paths != PATHS_DEFAULT:
+            if chosen:
                 why = "runs the tiny model only, not --sim-time-scale"
                 raise SystemExit(f"--paths {tiny_only} {why}")
             paths.remove(tiny_only)
+    return paths
+
+
+def run(args: argparse.Namespace, result: dict, out: Path) -> str:
+    wl = workload(args)
+    paths = choose_paths(getattr(args, "paths", None), wl)
     from fairbatch.engine.tokenizer import Tokenizer
 
     ids = prompts(wl["num_requests"], wl["prompt_len"], Tokenizer.tiny().vocab_size, args.seed)

@@ -277,8 +277,9 @@ def _add_bench_serve(bench_sub: argparse._SubParsersAction) -> None:
     )
     g.add_argument(
         "--paths",
-        default="offline,local_http,serve_http,handle",
-        help="serving-path: which paths to run (default all four)",
+        default=None,
+        help="serving-path: which paths to run, comma-separated (default all: offline, "
+        "engines, local_http, serve_http, handle)",
     )
     g.add_argument(
         "--rounds",

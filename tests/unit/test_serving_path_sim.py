@@ -8,7 +8,13 @@ import argparse
 
 import pytest
 
-from fairbatch.benchmarks.serving_path import prompts, run, sim_offline_run, workload
+from fairbatch.benchmarks.serving_path import (
+    choose_paths,
+    prompts,
+    run,
+    sim_offline_run,
+    workload,
+)
 from fairbatch.deployments.cluster.replica import ReplicaConfig, build_core
 from fairbatch.engine import SamplingParams
 from fairbatch.engine.tokenizer import Tokenizer
@@ -68,3 +74,12 @@ def test_the_tiny_model_paths_are_refused_with_the_sim_replicas(tmp_path, path):
         run(args(paths=path), {}, tmp_path)
     with pytest.raises(SystemExit, match=">= 0"):
         workload(args(sim_time_scale=-1.0))
+
+
+def test_the_default_paths_are_those_the_model_runs():
+    sim, tiny = workload(args()), workload(args(sim_time_scale=0.0))
+    assert choose_paths(None, sim) == ["offline", "serve_http", "handle"]
+    assert choose_paths(None, tiny) == ["offline", "engines", "local_http", "serve_http", "handle"]
+    assert choose_paths("handle,offline", tiny) == ["handle", "offline"]
+    with pytest.raises(SystemExit, match="unknown nope"):
+        choose_paths("offline,nope", tiny)
