@@ -29,7 +29,7 @@ controller, ingress, proxy; `client` is this process; `ray_system` everything el
 `server` the local HTTP server). `replica_share` is the replicas' CPU over the machine's
 (cores x wall time): how much of the machine went to the model while requests were queued.
 `preemptions_per_s` counts, per role, how often a process's threads were taken off a core for
-another's (involuntary context switches, psutil).
+another's (involuntary context switches of every thread, from /proc).
 
 `--rounds N` runs every path N times in turn and reports each number's median over the rounds,
 with the range of the ratio to offline (taken within each round): on a shared machine one
@@ -62,6 +62,7 @@ ROLES = (  # process title prefix -> role (Ray sets the titles of its workers)
 PATHS = ("offline", "engines", "local_http", "serve_http", "handle")
 PATHS_DEFAULT = ",".join(PATHS)
 WARMUP_REQUESTS = 8
+ENGINE_TIMEOUT_S = 900.0  # an `engines` process that sends nothing this long has hung
 
 
 def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -316,9 +317,9 @@ def _engine_process(seats: int, wl: dict, share: list[list[int]], conn: Any) -> 
 
 def engines_generate(ids: list[list[int]], wl: dict, between: Any = None):
     """`wl["replicas"]` engine processes side by side, request i on engine i % replicas, all
-    started at once. `between(go)` runs `go()` -> (outputs in `ids` order, seconds from the
-    start to the last engine's end) while the processes are alive (so their CPU can be read);
-    returns what `between` returns, or the outputs and seconds without one."""
+    started at once. `between(go, pids)` runs `go()` -> (outputs in `ids` order, seconds from
+    the start to the last engine's end) while the processes are alive (so their CPU can be
+    read); returns what `between` returns, or the outputs and seconds without one."""
     import multiprocessing as mp
 
     n = wl["replicas"]
@@ -331,15 +332,15 @@ def engines_generate(ids: list[list[int]], wl: dict, between: Any = None):
             proc.start()
             pipes.append(mine)
             procs.append(proc)
-        for conn in pipes:
-            if conn.recv() != "ready":
-                raise RuntimeError("an engine process failed to start")
+        for conn, proc in zip(pipes, procs):
+            _recv(conn, proc, "start")
 
         def go():
             t0 = time.perf_counter()
             for conn in pipes:
                 conn.send("go")
-            shares = [conn.recv() for conn in pipes]  # in order; the last one ends the timing
+            # in order; the last one ends the timing
+            shares = [_recv(conn, proc, "generate") for conn, proc in zip(pipes, procs)]
             duration = time.perf_counter() - t0
             outs: list[Any] = [None] * len(ids)
             for k, share in enumerate(shares):
@@ -357,6 +358,18 @@ def engines_generate(ids: list[list[int]], wl: dict, between: Any = None):
             proc.join(timeout=30)
             if proc.is_alive():
                 proc.kill()
+
+
+def _recv(conn: Any, proc: Any, what: str, timeout_s: float = ENGINE_TIMEOUT_S) -> Any:
+    """The engine process's next message, or a clear error if it died or hangs."""
+    if conn.poll(timeout_s):
+        try:
+            return conn.recv()
+        except EOFError:
+            pass
+    proc.join(timeout=1)
+    state = "hung" if proc.is_alive() else f"exited with code {proc.exitcode}"
+    raise RuntimeError(f"an engine process failed to {what}: {state}")
 
 
 def engines_run(ids: list[list[int]], wl: dict) -> dict:

@@ -41,6 +41,12 @@ def test_each_request_runs_once_on_its_engine_with_the_replicas_tokens():
     assert all(len(tokens) == WL["output_len"] for tokens, _ in outs)
 
 
+def test_an_engine_process_that_dies_is_a_clear_error_not_a_hang():
+    broken = {k: v for k, v in WL.items() if k != "num_gpu_blocks"}  # the child's KeyError
+    with pytest.raises(RuntimeError, match="failed to start: exited with code 1"):
+        engines_generate(prompts(2, 4, Tokenizer.tiny().vocab_size, 0), broken)
+
+
 def test_the_engines_row_counts_the_engine_processes_as_the_replicas():
     ids = prompts(6, WL["prompt_len"], Tokenizer.tiny().vocab_size, 4)
     row = engines_run(ids, WL)
