@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
 import json
 import os
@@ -276,13 +277,20 @@ def measure(label: str, fn, wl: dict, roles: dict[int, str] | None = None) -> di
     return row
 
 
-def offline_run(ids: list[list[int]], wl: dict, seats: int) -> dict:
+def _tiny_engine(seats: int, wl: dict, warm_on: list[list[int]]) -> tuple[Any, Any]:
+    """The tiny model with `seats` seats, warmed up on a few prompts, and the workload's
+    sampling parameters (greedy, `output_len` tokens, `ignore_eos`)."""
     from fairbatch.engine import LLM, SamplingParams
 
     llm = LLM("tiny", max_num_seqs=seats, num_gpu_blocks=wl["num_gpu_blocks"])
-    params = SamplingParams(max_tokens=wl["output_len"], temperature=0.0, ignore_eos=True)
     warm = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    llm.generate(ids[:WARMUP_REQUESTS], warm, use_tqdm=False)
+    llm.generate(warm_on[:WARMUP_REQUESTS], warm, use_tqdm=False)
+    params = SamplingParams(max_tokens=wl["output_len"], temperature=0.0, ignore_eos=True)
+    return llm, params
+
+
+def offline_run(ids: list[list[int]], wl: dict, seats: int) -> dict:
+    llm, params = _tiny_engine(seats, wl, ids)
 
     def go():
         t0 = time.perf_counter()
@@ -302,24 +310,20 @@ def _engine_process(seats: int, wl: dict, share: list[list[int]], conn: Any) -> 
     import torch
 
     torch.set_num_threads(1)
-    from fairbatch.engine import LLM, SamplingParams
-
-    llm = LLM("tiny", max_num_seqs=seats, num_gpu_blocks=wl["num_gpu_blocks"])
-    warm = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    llm.generate(share[:WARMUP_REQUESTS], warm, use_tqdm=False)
+    llm, params = _tiny_engine(seats, wl, share)
     conn.send("ready")
     conn.recv()  # go
-    params = SamplingParams(max_tokens=wl["output_len"], temperature=0.0, ignore_eos=True)
     outs = llm.generate(share, params, use_tqdm=False)
     conn.send([(list(o.token_ids), o.finish_reason) for o in outs])
     conn.recv()  # the CPU was read: exit
 
 
-def engines_generate(ids: list[list[int]], wl: dict, between: Any = None):
-    """`wl["replicas"]` engine processes side by side, request i on engine i % replicas, all
-    started at once. `between(go, pids)` runs `go()` -> (outputs in `ids` order, seconds from
-    the start to the last engine's end) while the processes are alive (so their CPU can be
-    read); returns what `between` returns, or the outputs and seconds without one."""
+@contextlib.contextmanager
+def engine_processes(ids: list[list[int]], wl: dict):
+    """`wl["replicas"]` engine processes, started and warmed up, request i on engine
+    i % replicas. Yields (their pids, `go`): `go()` starts them all at once and returns
+    (the outputs in `ids` order, seconds from the start to the last engine's end). They stay
+    alive until the block ends, so their CPU can still be read after `go()`."""
     import multiprocessing as mp
 
     n = wl["replicas"]
@@ -347,7 +351,7 @@ def engines_generate(ids: list[list[int]], wl: dict, between: Any = None):
                 outs[k::n] = share
             return outs, duration
 
-        return between(go, [p.pid for p in procs]) if between else go()
+        yield [p.pid for p in procs], go
     finally:
         for conn in pipes:
             try:
@@ -375,8 +379,8 @@ def _recv(conn: Any, proc: Any, what: str, timeout_s: float = ENGINE_TIMEOUT_S) 
 def engines_run(ids: list[list[int]], wl: dict) -> dict:
     """The replicas' engines without anything around them: what the app's replicas could
     deliver on this machine if the serving plane cost nothing (CPU or interruptions)."""
+    with engine_processes(ids, wl) as (pids, go):
 
-    def between(go, pids: list[int]) -> dict:
         def timed():
             outs, duration = go()
             t0 = time.perf_counter() - duration
@@ -387,8 +391,6 @@ def engines_run(ids: list[list[int]], wl: dict) -> dict:
             return results, duration
 
         return measure("engines", timed, wl, roles=dict.fromkeys(pids, "replicas"))
-
-    return engines_generate(ids, wl, between)
 
 
 def sim_offline_run(ids: list[list[int]], wl: dict) -> dict:

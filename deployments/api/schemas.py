@@ -105,7 +105,7 @@ class _SamplingFields(_Body):
             if not (key.isascii() and key.isdigit()):  # (int() also takes " 5 ", "+5", "5_0")
                 raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
             token = int(key)
-            if not token < vocab:
+            if token >= vocab:
                 raise bad_request(
                     f"logit_bias token id {token} is outside the vocabulary [0, {vocab})",
                     "logit_bias",

@@ -73,7 +73,6 @@ def wait_until(pred, timeout_s: float, what: str):
 FLOOD_DRIVER = r"""
 import asyncio, sys
 import ray
-from fairbatch.deployments.cluster.channel import ActorOwner, DriverOwner
 from fairbatch.deployments.cluster.client import ClusterClient
 from fairbatch.engine.sampling_params import SamplingParams
 

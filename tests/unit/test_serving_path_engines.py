@@ -14,7 +14,7 @@ import torch
 from fairbatch.benchmarks.serving_path import (
     _involuntary_switches,
     by_role,
-    engines_generate,
+    engine_processes,
     engines_run,
     prompts,
 )
@@ -26,7 +26,8 @@ WL = {"replicas": 2, "seats": 2, "num_gpu_blocks": 64, "output_len": 8, "prompt_
 
 def test_each_request_runs_once_on_its_engine_with_the_replicas_tokens():
     ids = prompts(5, WL["prompt_len"], Tokenizer.tiny().vocab_size, 3)
-    outs, seconds = engines_generate(ids, WL)
+    with engine_processes(ids, WL) as (_, go):
+        outs, seconds = go()
     assert seconds > 0
     # the reference: one engine as a replica runs it (its seats, one torch thread), greedy
     threads = torch.get_num_threads()
@@ -44,7 +45,8 @@ def test_each_request_runs_once_on_its_engine_with_the_replicas_tokens():
 def test_an_engine_process_that_dies_is_a_clear_error_not_a_hang():
     broken = {k: v for k, v in WL.items() if k != "num_gpu_blocks"}  # the child's KeyError
     with pytest.raises(RuntimeError, match="failed to start: exited with code 1"):
-        engines_generate(prompts(2, 4, Tokenizer.tiny().vocab_size, 0), broken)
+        with engine_processes(prompts(2, 4, Tokenizer.tiny().vocab_size, 0), broken):
+            pass
 
 
 def test_the_engines_row_counts_the_engine_processes_as_the_replicas():
