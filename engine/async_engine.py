@@ -33,18 +33,6 @@ from fairbatch.engine.sampling_params import SamplingParams
 log = logging.getLogger(__name__)
 
 
-def lower_thread_priority(niceness: int) -> None:
-    """Make the calling thread `niceness` nice levels lower in priority than it is (Linux
-    schedules threads one by one; elsewhere, or without the right, it stays as it is)."""
-    if niceness <= 0 or not sys.platform.startswith("linux"):
-        return
-    tid = threading.get_native_id()
-    try:
-        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + niceness)
-    except OSError as e:
-        log.warning("could not lower the engine thread's priority by %d: %r", niceness, e)
-
-
 class EngineDeadError(RuntimeError):
     """The step loop failed or was shut down; every open stream ends with this error."""
 
@@ -61,6 +49,7 @@ class AsyncEngine:
         step_hook: Callable[[], Any] | None = None,
         sink: Callable[[list[RequestDelta] | BaseException], Any] | None = None,
         thread_niceness: int = 0,
+        urgent_boost: int = 0,
     ) -> None:
         self.engine = engine
         # called on the event loop with each step's deltas of requests added by `add` (not
@@ -70,6 +59,12 @@ class AsyncEngine:
         # where the cores are short, the process's event loop (new requests, the channel) and
         # the serving plane beside it get the CPU first, and the steps take what is left.
         self._niceness = thread_niceness
+        # `urgent_boost` > 0: while `urgent(True)` holds, the engine thread runs that many
+        # levels above its process instead (a request of a higher class waits on its steps).
+        self._boost = urgent_boost
+        self._urgent = False
+        self._base_niceness = 0  # the niceness of the thread that started the engine
+        self._tid: int | None = None  # the engine thread's, once it runs
         self._step_hook = step_hook  # called on the engine thread after each step (pacing)
         self.step_clock: Any = None  # times each step when set: begin(), then stop() -> times
         self.num_steps = 0  # steps run (on the engine thread, which may be ahead of delivery)
@@ -95,6 +90,8 @@ class AsyncEngine:
     def _ensure_started(self) -> None:
         if self._thread is None:
             self._loop = asyncio.get_running_loop()
+            if _LINUX:
+                self._base_niceness = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
             self._thread = threading.Thread(target=self._run, name="engine")
             _LIVE.add(self)
             self._thread.start()
@@ -113,6 +110,41 @@ class AsyncEngine:
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
+
+    def urgent(self, on: bool) -> None:
+        """Run the engine thread `urgent_boost` levels above its process while `on`, and back
+        at its own level after: where the engine shares cores with other processes (a model on
+        the CPU), the steps a request of a higher class waits on then take a core first. Any
+        thread may call it; a no-op without a boost, off Linux, or without the right to raise
+        a priority (CAP_SYS_NICE), which is warned about once."""
+        if on == self._urgent or self._boost <= 0:  # (every step: no lock when nothing changes)
+            return
+        with self._cond:
+            if on == self._urgent or self._boost <= 0:
+                return
+            self._urgent = on
+            if self._tid is not None:
+                self._apply_niceness()
+
+    def _apply_niceness(self) -> None:
+        """The engine thread's niceness from its state (under `_cond`, once the thread runs)."""
+        if not _LINUX or (self._niceness <= 0 and self._boost <= 0):
+            return
+        offset = -self._boost if self._urgent else self._niceness
+        level = max(-20, min(19, self._base_niceness + offset))
+        try:
+            os.setpriority(os.PRIO_PROCESS, self._tid, level)
+        except OSError as e:
+            if not self._urgent:
+                log.warning("could not set the engine thread's niceness to %d: %r", level, e)
+                return
+            log.warning(
+                "could not raise the engine thread's priority for an urgent request (%r): "
+                "needs CAP_SYS_NICE; urgent requests run at the engine thread's own level",
+                e,
+            )
+            self._boost, self._urgent = 0, False
+            self._apply_niceness()
 
     async def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run `fn(*args)` on the engine thread, between steps (in the order called)."""
@@ -196,7 +228,9 @@ class AsyncEngine:
         """The engine thread: the calls waiting, then a step while there is work, in a loop. The
         next step starts as soon as this one ends; its deltas reach the event loop meanwhile.
         After a failed step it only runs calls (aborts, stats), until stopped."""
-        lower_thread_priority(self._niceness)
+        with self._cond:
+            self._tid = threading.get_native_id()
+            self._apply_niceness()
         while True:
             with self._cond:
                 while not (self._stopping or self._calls or self._may_step()):
@@ -280,6 +314,8 @@ class AsyncEngine:
         if rest and self._sink is not None:
             self._sink(rest)
 
+
+_LINUX = sys.platform.startswith("linux")  # where threads have a niceness of their own
 
 # Engines whose thread runs: stopped when the interpreter exits, as a thread pool's workers are
 # (before non-daemon threads are joined), so that none is inside a step while Python finalizes.

@@ -96,6 +96,11 @@ class ReplicaConfig:
     # None: CPU_ENGINE_NICENESS for a model on the CPU, where the forward passes are what
     # fills the cores (measured: docs/BENCHMARKS.md); 0 on a GPU, whose thread mostly waits.
     engine_thread_niceness: int | None = None
+    # Nice levels the engine thread runs above the replica process while a request of a class
+    # above 0 waits for its first token here (`AsyncEngine.urgent`): where the replicas' steps
+    # share cores, the steps it waits on take a core first. None: CPU_URGENT_BOOST for a model
+    # on the CPU, 0 (off) on a GPU. Needs CAP_SYS_NICE; without it, off after a warning.
+    urgent_thread_boost: int | None = None
 
     def __post_init__(self) -> None:
         """Bad values fail here, where a config is read, not in a replica starting later."""
@@ -117,28 +122,33 @@ class ReplicaConfig:
         device = self.device
         if not (device in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", device)):
             raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}")
-        if self.engine_thread_niceness is None:
-            return
-        if not 0 <= self.engine_thread_niceness <= 19:
-            raise ValueError(
-                f"engine_thread_niceness must be 0..19 (levels below the process), got "
-                f"{self.engine_thread_niceness}"
-            )
+        for name, high, what in (
+            ("engine_thread_niceness", 19, "below"),
+            ("urgent_thread_boost", 20, "above"),
+        ):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= high:
+                raise ValueError(f"{name} must be 0..{high} (levels {what} the process): {value}")
 
 
 DEAD_CONSUMER = "the consumer died"  # why a submission for a consumer found dead is refused
 DEAD_CONSUMERS_KEPT = 1024  # consumer ids (one per client process) remembered as dead
 
 CPU_ENGINE_NICENESS = 10
+CPU_URGENT_BOOST = 10
 
 
-def engine_thread_niceness(cfg: ReplicaConfig, core: EngineCore) -> int:
-    """The nice levels the replica's engine thread runs below its process: as configured, or
-    by where the model runs (a simulated runner has no device and needs no CPU to speak of)."""
-    if cfg.engine_thread_niceness is not None:
-        return cfg.engine_thread_niceness
-    device = getattr(core.runner, "device", None)
-    return CPU_ENGINE_NICENESS if getattr(device, "type", None) == "cpu" else 0
+def engine_thread_levels(cfg: ReplicaConfig, core: EngineCore) -> tuple[int, int]:
+    """The nice levels the replica's engine thread runs below its process, and above it while
+    a request of a higher class waits: as configured, or by where the model runs (a simulated
+    runner has no device and needs no CPU to speak of)."""
+    on_cpu = getattr(getattr(core.runner, "device", None), "type", None) == "cpu"
+    below, above = cfg.engine_thread_niceness, cfg.urgent_thread_boost
+    if below is None:
+        below = CPU_ENGINE_NICENESS if on_cpu else 0
+    if above is None:
+        above = CPU_URGENT_BOOST if on_cpu else 0
+    return below, above
 
 
 def build_core(cfg: ReplicaConfig) -> EngineCore:
@@ -257,11 +267,13 @@ class Replica:
         self.config = config
         self.core = build_core(config)
         self.time_scale = config.time_scale
+        below, above = engine_thread_levels(config, self.core)
         self.engine = AsyncEngine(
             self.core,
             step_hook=self._pace,
             sink=self._deliver,
-            thread_niceness=engine_thread_niceness(config, self.core),
+            thread_niceness=below,
+            urgent_boost=above,
         )
         if trace.ON:
             self.engine.step_clock = trace.StepClock()
@@ -276,6 +288,8 @@ class Replica:
         self._socket: ChannelServer | None = None  # channel sockets, from the first one asked
         self._finished: list[tuple[str, int]] = []  # (id, output tokens) left since last report
         self._meta: dict[str, tuple[str, int, int]] = {}  # id -> (tenant, priority, max_tokens)
+        # requests of a class above 0 with no token yet: the engine thread runs boosted
+        self._urgent: set[str] = set()
         self._changed = True
         self._seq = 0
         self._hash_count = -1
@@ -398,7 +412,10 @@ class Replica:
             self._routes[rid] = _Route(box, num_out)
             box.requests.add(rid)
             self._meta[rid] = meta_row
+            if meta_row[1] > 0 and num_out == 0:
+                self._urgent.add(rid)
         self._changed = True
+        self.engine.urgent(bool(self._urgent))  # (before the step running now ends)
 
         def add_all() -> list[str | None]:
             out: list[str | None] = []
@@ -421,6 +438,8 @@ class Replica:
                 self._routes.pop(rid, None)
                 box.requests.discard(rid)
                 self._meta.pop(rid, None)
+                self._urgent.discard(rid)
+        self.engine.urgent(bool(self._urgent))
         self._watch(box)
         return errors
 
@@ -511,6 +530,7 @@ class Replica:
             return
         # (the engine may be a step further by now: these deltas' step is the one delivered)
         steps, replica_id, routes = self.engine.delivered_step, self.replica_id, self._routes
+        urgent = self._urgent
         times = self.engine.delivered_times
         for d in deltas:
             route = routes.get(d.request_id)
@@ -519,6 +539,8 @@ class Replica:
             if times is not None:
                 _trace_step(d.request_id, times)
             route.num_out += len(d.token_ids)
+            if d.token_ids and urgent and d.request_id in urgent:
+                urgent.discard(d.request_id)
             item = StreamItem(
                 d.token_ids,
                 d.text,
@@ -535,6 +557,8 @@ class Replica:
                 self._end(d.request_id, item)
             elif not route.box.put(item):
                 self._stalled(route.box)
+        if not urgent:
+            self.engine.urgent(False)
 
     def _end(self, rid: str, last: Any) -> None:
         """The request's last item (finished, or a Moved marker): it leaves this replica."""
@@ -543,6 +567,9 @@ class Replica:
             return
         route.box.requests.discard(rid)
         self._meta.pop(rid, None)
+        if rid in self._urgent:
+            self._urgent.discard(rid)
+            self.engine.urgent(bool(self._urgent))
         self._finished.append((rid, route.num_out))
         self._changed = True
         if not route.box.put(last):
