@@ -356,7 +356,8 @@ async def _get(queue: asyncio.Queue, timeout_s: float) -> Any:
 
 class AdmissionBatcher:
     """Admissions for one client process and event loop, batched: requests queued within
-    `linger_s` go to the controller in one `submit_many` call, and assignments come back on one
+    `linger_s` go to the controller in one `submit_many` call (one of a class above 0 goes at
+    once, with whatever is queued then), and assignments come back on one
     long-lived `assignments` stream (which sends each replica's handle once; the batcher puts
     it back in each Assignment). After any error on that stream (the controller restarted)
     it re-subscribes under a new id and resubmits everything still pending: `submit_many` is
@@ -385,6 +386,7 @@ class AdmissionBatcher:
         self.pending: dict[str, tuple[RequestMeta, asyncio.Future]] = {}
         self.outbox: list[RequestMeta] = []
         self.kick = asyncio.Event()
+        self.hurry = False  # a request of a class above 0 is in the outbox: no linger
         self.subscribed = asyncio.Event()
         self.flusher = self.loop.create_task(self._flush_loop())
         self.reader = self.loop.create_task(self._read_loop())
@@ -397,6 +399,8 @@ class AdmissionBatcher:
         fut = self.loop.create_future()
         self.pending[meta.request_id] = (meta, fut)
         self.outbox.append(meta)
+        if meta.priority > 0:
+            self.hurry = True
         self.kick.set()
         try:
             return await asyncio.wait_for(asyncio.shield(fut), timeout_s)
@@ -407,9 +411,11 @@ class AdmissionBatcher:
         delay = 0.05
         while True:
             await self.kick.wait()
-            await asyncio.sleep(self.linger_s)  # let a burst gather into one call
+            if not self.hurry:
+                await asyncio.sleep(self.linger_s)  # let a burst gather into one call
             await self.subscribed.wait()  # assignments need a stream to come back on
             self.kick.clear()
+            self.hurry = False
             batch, self.outbox = self.outbox[: self.max_batch], self.outbox[self.max_batch :]
             if self.outbox:
                 self.kick.set()

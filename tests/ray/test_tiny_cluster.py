@@ -196,6 +196,39 @@ def test_the_assignment_stream_sends_each_replica_handle_once(cluster):
         asyncio.run(cancel_all())
 
 
+def test_a_request_of_a_higher_class_does_not_wait_for_a_batch(cluster):
+    """The batcher holds admissions for `linger_s` so that a burst goes in one call, but not
+    one of a class above 0: with a 3 s linger, a class-1 admission is assigned within a 1.5 s
+    timeout, where a class-0 one is still held when its timeout ends."""
+    from fairbatch.deployments.cluster.client import AdmissionBatcher
+    from fairbatch.deployments.cluster.wire import RequestMeta
+
+    ctl = cluster.controller
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    urgent = RequestMeta("hurry-1", prompt(90), params, priority=1)
+    normal = RequestMeta("hurry-0", prompt(91), params)
+
+    async def admit(meta: RequestMeta):
+        batcher = AdmissionBatcher(lambda: ctl, linger_s=3.0)
+        try:
+            return await batcher.admit(meta, 1.5)
+        except asyncio.TimeoutError:
+            return None
+        finally:
+            batcher.flusher.cancel()
+            batcher.reader.cancel()
+
+    try:
+        got = asyncio.run(admit(urgent))
+        assert (
+            got is not None and got.request_id == "hurry-1" and got.replica_id in cluster.replicas
+        )
+        assert asyncio.run(admit(normal)) is None
+    finally:
+        for m in (urgent, normal):
+            ray.get(ctl.cancel.remote(m.request_id))
+
+
 async def run_and_kill(
     c, prompts, params, kill: bool, tenant: str = "default"
 ) -> tuple[list[dict], list[int], str | None]:
