@@ -50,6 +50,7 @@ class AsyncEngine:
         sink: Callable[[list[RequestDelta] | BaseException], Any] | None = None,
         thread_niceness: int = 0,
         urgent_boost: int = 0,
+        yield_steps: bool = False,
     ) -> None:
         self.engine = engine
         # called on the event loop with each step's deltas of requests added by `add` (not
@@ -84,6 +85,12 @@ class AsyncEngine:
         self._undelivered = 0
         self._stopping = False
         self._error: BaseException | None = None  # what the step that failed raised
+        # The highest class among the requests `add` has waiting for the engine thread (None:
+        # none). With `yield_steps`, a step of lower classes gives way to them between two
+        # layers of its forward (EngineCore.yield_steps) instead of making them wait its end.
+        self._waiting_class: int | None = None
+        if yield_steps:
+            engine.yield_steps(lambda: self._waiting_class)
 
     # ---- lifecycle --------------------------------------------------------------------------
 
@@ -148,12 +155,18 @@ class AsyncEngine:
 
     async def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run `fn(*args)` on the engine thread, between steps (in the order called)."""
+        return await self._call(functools.partial(fn, *args, **kwargs))
+
+    async def _call(self, fn: Callable[[], Any], priority: int | None = None) -> Any:
         self._ensure_started()
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._cond:
             if self._stopping:
                 raise EngineDeadError("the engine was shut down")
-            self._calls.append((functools.partial(fn, *args, **kwargs), future))
+            self._calls.append((fn, future))
+            if priority is not None:  # (set with the call, cleared when the calls are taken)
+                waiting = self._waiting_class
+                self._waiting_class = priority if waiting is None else max(waiting, priority)
             self._cond.notify()
         return await asyncio.wrap_future(future)
 
@@ -171,32 +184,36 @@ class AsyncEngine:
             raise EngineDeadError(str(self._error))
         rid = kwargs.pop("request_id", None) or uuid.uuid4().hex
         add = functools.partial(self.engine.add_request, prompt, params, request_id=rid, **kwargs)
-        async for delta in self._stream(rid, add):
+        async for delta in self._stream(rid, add, kwargs.get("priority", 0)):
             yield delta
 
     async def resume(self, migrated: Any) -> AsyncIterator[RequestDelta]:
         """Adopt a request from another replica and stream its remaining deltas."""
         self._ensure_started()
+        request = migrated.request
         add = functools.partial(self.engine.import_request, migrated)
-        async for delta in self._stream(migrated.request.request_id, add):
+        async for delta in self._stream(request.request_id, add, request.priority):
             yield delta
 
-    async def add(self, add: Callable[[], Any]) -> Any:
+    async def add(self, add: Callable[[], Any], priority: int | None = None) -> Any:
         """Run `add` (EngineCore adds/imports) on the engine thread; the requests' deltas go to
-        the sink. Returns what `add` returns, raises what it raises."""
+        the sink. Returns what `add` returns, raises what it raises. `priority`: the highest
+        class among the requests it adds, for `yield_steps`."""
         self._ensure_started()
         if self._error is not None:
             raise EngineDeadError(str(self._error))
-        return await self.call(add)
+        return await self._call(add, priority)
 
-    async def _stream(self, rid: str, add: Callable[[], Any]) -> AsyncIterator[RequestDelta]:
+    async def _stream(
+        self, rid: str, add: Callable[[], Any], priority: int
+    ) -> AsyncIterator[RequestDelta]:
         if rid in self._streams:
             raise ValueError(f"duplicate request id {rid!r}")
         # Register before adding: the first step may finish before this coroutine resumes.
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = queue
         try:
-            await self.call(add)
+            await self._call(add, priority)
         except BaseException:
             self._streams.pop(rid, None)
             raise
@@ -239,6 +256,7 @@ class AsyncEngine:
                     break
                 calls = list(self._calls)
                 self._calls.clear()
+                self._waiting_class = None
             for fn, future in calls:
                 if future.set_running_or_notify_cancel():  # (not if its caller went away)
                     try:

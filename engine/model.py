@@ -12,7 +12,7 @@ positions times float32 inverse frequencies, then cast to the activation dtype.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -240,11 +240,14 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,  # [T] int64
         kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, Hkv, D]
         attn_metadata: AttentionMetadata,
+        between_layers: Callable[[], None] | None = None,  # may raise: the step is given up
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         backend = self.attn_backend(x.device, x.dtype)
         rope = self.model.rotary(positions, x.dtype)
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+        for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
+            if i and between_layers is not None:
+                between_layers()
             x = layer(rope, x, kv_cache, attn_metadata, backend)
         return self.model.norm(x)  # [T, hidden]
 

@@ -477,6 +477,11 @@ class Scheduler:
         # charged one decode token per step from now on (a step it does not sample is a miss)
         self.policy.add_decoding(request.tenant, 1)
 
+    @property
+    def max_running_priority(self) -> int:
+        """The highest priority among the running requests (0 with none running)."""
+        return max(self._running_priorities, default=0)
+
     def _num_running_below(self, priority: int) -> int:
         return sum(n for p, n in self._running_priorities.items() if p < priority)
 

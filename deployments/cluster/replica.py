@@ -101,6 +101,11 @@ class ReplicaConfig:
     # share cores, the steps it waits on take a core first. None: CPU_URGENT_BOOST for a model
     # on the CPU, 0 (off) on a GPU. Needs CAP_SYS_NICE; without it, off after a warning.
     urgent_thread_boost: int | None = None
+    # A step gives way, between two layers of its forward, to a request of a higher class than
+    # any it runs, which then starts in the next step instead of waiting out this one (the
+    # step's work so far is lost: `EngineCore.yield_steps`). None: on for a model on the CPU,
+    # whose steps are long against a first token; off on a GPU and for a simulated runner.
+    yield_steps: bool | None = None
 
     def __post_init__(self) -> None:
         """Bad values fail here, where a config is read, not in a replica starting later."""
@@ -142,13 +147,22 @@ def engine_thread_levels(cfg: ReplicaConfig, core: EngineCore) -> tuple[int, int
     """The nice levels the replica's engine thread runs below its process, and above it while
     a request of a higher class waits: as configured, or by where the model runs (a simulated
     runner has no device and needs no CPU to speak of)."""
-    on_cpu = getattr(getattr(core.runner, "device", None), "type", None) == "cpu"
+    on_cpu = _on_cpu(core)
     below, above = cfg.engine_thread_niceness, cfg.urgent_thread_boost
     if below is None:
         below = CPU_ENGINE_NICENESS if on_cpu else 0
     if above is None:
         above = CPU_URGENT_BOOST if on_cpu else 0
     return below, above
+
+
+def yields_steps(cfg: ReplicaConfig, core: EngineCore) -> bool:
+    """Whether the replica's steps give way to a higher class mid-forward (`yield_steps`)."""
+    return _on_cpu(core) if cfg.yield_steps is None else cfg.yield_steps
+
+
+def _on_cpu(core: EngineCore) -> bool:
+    return getattr(getattr(core.runner, "device", None), "type", None) == "cpu"
 
 
 def build_core(cfg: ReplicaConfig) -> EngineCore:
@@ -274,6 +288,7 @@ class Replica:
             sink=self._deliver,
             thread_niceness=below,
             urgent_boost=above,
+            yield_steps=yields_steps(config, self.core),
         )
         if trace.ON:
             self.engine.step_clock = trace.StepClock()
@@ -430,7 +445,7 @@ class Replica:
             return out
 
         try:
-            errors = await self.engine.add(add_all)
+            errors = await self.engine.add(add_all, max((r[2][1] for r in batch), default=None))
         except Exception as e:  # the engine is dead
             errors = [f"{type(e).__name__}: {e}"] * len(batch)
         for (_, rid, *_), error in zip(batch, errors):
