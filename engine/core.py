@@ -41,8 +41,8 @@ class RequestDelta:
 
 
 class StepInterrupted(Exception):
-    """A step gave way between two layers of its forward (`EngineCore.yield_steps`): nothing of
-    it was computed or sampled, and the scheduler runs its work again in the next step."""
+    """A step gave way inside its forward (`EngineCore.yield_steps`): nothing of it was
+    computed or sampled, and the scheduler runs its work again in the next step."""
 
 
 @dataclass
@@ -217,16 +217,19 @@ class EngineCore:
         return self.structured
 
     def yield_steps(self, waiting_class: Callable[[], int | None]) -> bool:
-        """Let a step give way, between two layers of its forward, to a request of a higher
-        class than any running (`waiting_class()`: the highest class waiting to be added, or
-        None), instead of making it wait for the step's end. The step's work is done again in
-        the next step, with that request in it; what the step had done is lost, so it pays
-        where steps are long against a first token (a model on the CPU). False, changing
-        nothing, when the runner runs no layers of its own (a simulated runner)."""
-        if not hasattr(self.runner, "between_layers"):
+        """Let a step give way, at its next layer or half-layer, to a request of a higher class
+        than any running (`waiting_class()`: the highest class waiting to be added, or None),
+        instead of making it wait for the step's end; and let the step that admits such a
+        request run its prefill without the lower classes' decodes (`Scheduler.urgent_alone`),
+        which then go on from the step after. What the step that gave way had done is lost and
+        done again, so this pays where steps are long against a first token and grow with
+        their decodes (a model on the CPU). False, changing nothing, when the runner runs no
+        layers of its own (a simulated runner)."""
+        if not hasattr(self.runner, "give_way"):
             return False
         self._yield_to = waiting_class
-        self.runner.between_layers = self._give_way
+        self.runner.give_way = self._give_way
+        self.scheduler.urgent_alone = True
         return True
 
     def _give_way(self) -> None:
@@ -247,6 +250,7 @@ class EngineCore:
             else {"in": 0, "out": 0},
             "prefix_hit_tokens": s.num_prefix_hit_tokens,
             "interrupted_steps": self.num_interrupted_steps,
+            "alone_steps": s.num_alone_steps,
             "running": len(s.running),
             "waiting": s.num_waiting,
             "swapped": len(s.swapped),

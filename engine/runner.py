@@ -71,9 +71,9 @@ class ModelRunner:
         # (logits, requests) -> logits with each constrained row's disallowed tokens at -inf
         # (engine/structured.py); set by the engine on its first constrained request
         self.logits_mask = None
-        # called between two layers of an eager forward; what it raises gives the step up
-        # before anything was sampled (EngineCore.yield_steps: a step gives way to a higher class)
-        self.between_layers: Callable[[], None] | None = None
+        # called at points inside an eager forward (LlamaForCausalLM.forward); what it raises
+        # gives the step up before anything was sampled (EngineCore.yield_steps)
+        self.give_way: Callable[[], None] | None = None
         self.forward_time = 0.0  # seconds spent in model forward + logits (for the benchmark)
         self.num_steps = 0
         if stage_inputs is None:
@@ -199,7 +199,7 @@ class ModelRunner:
                 query_lens, seq_lens, tables, self.block_size, self.device
             )
             ids = host_ints(input_ids).to(self.device)
-            return self.model(ids, positions, self.kv_caches, meta, self.between_layers), extra
+            return self.model(ids, positions, self.kv_caches, meta, self.give_way), extra
         n = len(INPUT_NAMES)
         batch = self._graph_batch(query_lens, tables)
         if batch is not None:
@@ -225,9 +225,7 @@ class ModelRunner:
             if plan is not None:
                 plan.attach(meta, views[n : n + len(plan_arrays)])
             n += len(plan_arrays)
-            hidden = self.model(
-                dev["ids"].long(), positions, self.kv_caches, meta, self.between_layers
-            )
+            hidden = self.model(dev["ids"].long(), positions, self.kv_caches, meta, self.give_way)
         return hidden, [v.long() for v in views[n:]]
 
     def _graph_batch(self, query_lens: list[int], tables: list[list[int]]) -> int | None:

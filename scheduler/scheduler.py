@@ -89,6 +89,12 @@ class Scheduler:
         # waiting request can preempt one for its seat
         self._max_priority = -math.inf
         self._finished_ids: set[str] = set()
+        # When a waiting request of a class above every running (and swapped) one is next, the
+        # step admits that class's requests alone: the running ones skip one step (uncharged)
+        # and the newcomer's first token does not wait on their decodes. Pays where a step's
+        # time grows with its decodes (a model on the CPU); EngineCore.yield_steps turns it on.
+        self.urgent_alone = False
+        self.num_alone_steps = 0
         self._seq = 0
         self.num_preemptions = {"swap": 0, "recompute": 0}
         self.num_swapped_blocks = {"out": 0, "in": 0}
@@ -282,13 +288,30 @@ class Scheduler:
         if self._deadlines and self._deadlines[0][0] <= self.clock():
             self._evict_expired(out)
         budget = self.config.max_num_batched_tokens
-        budget = self._schedule_running(out, budget)
-        if not out.preempted_swap and not out.preempted_recompute:
-            budget = self._schedule_swapped(out, budget)
-            self._schedule_waiting(out, budget)
+        urgent = self._urgent_class() if self.urgent_alone else None
+        if urgent is not None:  # that class's prefills alone; the rest from the next step on
+            self._schedule_waiting(out, budget, urgent)
+            self.num_alone_steps += bool(out.scheduled)
+        if not out.scheduled:  # (none, or it could not start: an ordinary step)
+            budget = self._schedule_running(out, budget)
+            if not out.preempted_swap and not out.preempted_recompute:
+                budget = self._schedule_swapped(out, budget)
+                self._schedule_waiting(out, budget)
         out.all_running_scheduled = len(out.scheduled) == len(self.running)
         out.finished_ids, self._finished_ids = self._finished_ids, set()
         return out
+
+    def _urgent_class(self) -> int | None:
+        """The class of the waiting request that goes next, when it is above every running
+        and swapped request's (`urgent_alone`); else None."""
+        if self._max_priority <= self.max_running_priority or not len(self.policy):
+            return None  # (no request above the running ones was ever added, or none waits)
+        request = self.policy.peek()
+        if request is None or request.priority <= self.max_running_priority:
+            return None
+        if any(r.priority >= request.priority for r in self.swapped):
+            return None
+        return request.priority
 
     def _chunk(self, request: Request, budget: int) -> int:
         return min(request.num_tokens - request.num_computed_tokens, budget)
@@ -406,7 +429,9 @@ class Scheduler:
             budget -= n
         return budget
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _schedule_waiting(
+        self, out: SchedulerOutput, budget: int, floor: int | None = None
+    ) -> None:
         policy = self.policy
         # A swapped request still out (it found too few blocks or seats) is not overtaken by
         # a waiting one it precedes in policy order: new work must not starve swapped work.
@@ -423,6 +448,8 @@ class Scheduler:
                     return
                 if request.request_id in out.preempted_recompute:
                     return  # a victim of this step waits for the next one (no ping-pong)
+                if floor is not None and request.priority < floor:
+                    return
                 if first_swapped is not None and not policy.rank(request) < first_swapped:
                     return  # the swapped request goes first
             if len(self.running) >= self.config.max_num_seqs:

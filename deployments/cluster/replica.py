@@ -101,10 +101,12 @@ class ReplicaConfig:
     # share cores, the steps it waits on take a core first. None: CPU_URGENT_BOOST for a model
     # on the CPU, 0 (off) on a GPU. Needs CAP_SYS_NICE; without it, off after a warning.
     urgent_thread_boost: int | None = None
-    # A step gives way, between two layers of its forward, to a request of a higher class than
+    # A step gives way, at its next layer or half-layer, to a request of a higher class than
     # any it runs, which then starts in the next step instead of waiting out this one (the
-    # step's work so far is lost: `EngineCore.yield_steps`). None: on for a model on the CPU,
-    # whose steps are long against a first token; off on a GPU and for a simulated runner.
+    # step's work so far is lost), and that next step runs its prefill without the lower
+    # classes' decodes (`EngineCore.yield_steps`). None: on for a model on the CPU, whose
+    # steps are long against a first token and grow with their decodes; off on a GPU and for
+    # a simulated runner.
     yield_steps: bool | None = None
 
     def __post_init__(self) -> None:

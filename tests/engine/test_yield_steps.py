@@ -1,7 +1,8 @@
-"""A step gives way to a higher class between two layers of its forward (`yield_steps`): the
-step computes and samples nothing, every request keeps its progress, and every request's
-tokens are exactly those of a run in which the higher-class request had simply been added
-before that step. A step never gives way to a class it already runs (or a lower one)."""
+"""A step gives way to a higher class inside its forward (`yield_steps`): the step computes
+and samples nothing, every request keeps its progress, the next step runs the higher-class
+request's prefill alone, and every request's tokens are exactly those of a run in which the
+higher-class request had simply been added before that step (and run beside the others). A
+step never gives way to a class it already runs (or a lower one)."""
 
 import asyncio
 import threading
@@ -59,11 +60,14 @@ def run(give_way_at: int | None, add_high_at: int = 2) -> tuple[dict, int, list]
             core.add_request(HIGH_PROMPT, HIGH, request_id="h", priority=10)
         else:
             deltas = core.step()
+            if step - 1 == give_way_at:  # the step after: who got a token
+                given_way[-1]["next"] = sorted({d.request_id for d in deltas if d.token_ids})
         for d in deltas:
             tokens.setdefault(d.request_id, []).extend(d.token_ids)
         step += 1
     core.check_integrity()
     assert core.scheduler.kv.all_free()
+    assert core.scheduler.num_alone_steps == (give_way_at is not None)
     return tokens, core.num_interrupted_steps, given_way
 
 
@@ -76,6 +80,7 @@ def test_a_step_that_gives_way_computes_nothing_and_changes_no_tokens(at):
     assert not any(d.token_ids for d in step["deltas"]), step["deltas"]
     # every request's progress and tokens as they were before the step
     assert step["after"] == step["before"]
+    assert step["next"] == ["h"]  # its prefill alone (the others' decodes wait that step)
     assert got == ref
     assert {k: len(v) for k, v in got.items()} == {"a": 12, "b": 12, "c": 12, "h": 6}
 
@@ -108,9 +113,9 @@ def test_async_engine_gives_way_to_a_higher_class_added_mid_step():
         core = engine_core()
         engine = AsyncEngine(core, yield_steps=yield_steps)
         inside, hold = threading.Event(), threading.Event()
-        give_way = core.runner.between_layers
+        give_way = core.runner.give_way
 
-        def held_between_layers():
+        def held_give_way():
             # once asked: stop inside a step until the class-10 add waits for the engine thread
             if hold.is_set() and core._step_class == 0:
                 hold.clear()
@@ -122,7 +127,7 @@ def test_async_engine_gives_way_to_a_higher_class_added_mid_step():
             if give_way is not None:
                 give_way()
 
-        core.runner.between_layers = held_between_layers
+        core.runner.give_way = held_give_way
 
         async def one(prompt, params, **kw):
             return [t async for d in engine.generate(prompt, params, **kw) for t in d.token_ids]

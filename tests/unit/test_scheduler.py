@@ -349,6 +349,69 @@ def test_priority_arrival_runs_next_step_when_seats_full():
     assert first + got["high"] == reference_tokens([4, 5], 3)
 
 
+@pytest.mark.parametrize("seats", [2, 4])
+def test_urgent_alone_runs_a_higher_class_prefill_in_a_step_of_its_own(seats):
+    """With `urgent_alone`, the step that admits requests of a class above every running one
+    schedules only that class's prefills (taking seats from a lower class if none are free);
+    the running requests skip that one step and are not charged for it, a waiting request of
+    a lower class starts in the next step, and every request's tokens are the reference's."""
+    sched = make_sched(
+        num_blocks=64, policy="priority", tenants=(TenantSpec("a"), TenantSpec("b")),
+        max_num_seqs=seats,
+    )  # fmt: skip
+    sched.urgent_alone = True
+    runner = FakeRunner(VOCAB)
+    prompts = {"low0": [1, 2, 3], "low1": [1, 2, 4], "high": [4, 5, 6, 7, 8], "high2": [4, 5]}
+    prompts["mid"] = [9, 9]
+    for rid in ("low0", "low1"):
+        sched.add_request(Request(rid, prompts[rid], max_tokens=6, tenant="a"))
+    _, updates = step(sched, runner)
+    got = {u.request_id: list(u.new_token_ids) for u in updates}
+    for rid, prio in (("high", 5), ("mid", 3), ("high2", 5)):
+        sched.add_request(Request(rid, prompts[rid], max_tokens=3, tenant="b", priority=prio))
+    charged = sched.policy.tokens()["a"]
+    out, updates = step(sched, runner)
+    assert out.num_scheduled_tokens == {"high": 5, "high2": 2}
+    assert out.preempted_recompute == (["low1", "low0"] if seats == 2 else [])
+    assert sched.policy.tokens()["a"] == charged  # the lows computed nothing, paid nothing
+    for u in updates:
+        got.setdefault(u.request_id, []).extend(u.new_token_ids)
+    out, updates = step(sched, runner)  # an ordinary step again: all that has a seat runs
+    assert set(out.num_scheduled_tokens) == (
+        {"high", "high2"} if seats == 2 else {"low0", "low1", "high", "high2", "mid"}
+    ) - set(out.preempted_recompute)
+    assert "mid" in out.num_scheduled_tokens or seats == 2
+    for u in updates:
+        got.setdefault(u.request_id, []).extend(u.new_token_ids)
+    for rid, tokens in run_to_end(sched, runner).items():
+        got.setdefault(rid, []).extend(tokens)
+    # (a request preempted for recompute starts over: its tokens come again, the same)
+    for rid, prompt in prompts.items():
+        n = 6 if rid.startswith("low") else 3
+        assert got[rid][-n:] == reference_tokens(prompt, n), rid
+    assert sched.kv.all_free()
+
+
+def test_urgent_alone_falls_back_to_an_ordinary_step_when_the_class_cannot_start():
+    """A higher class that cannot start (no seat, and a policy that does not preempt for one)
+    leaves the step to the running requests, not an empty step; so with blocks too few."""
+    sched = make_sched(num_blocks=16, policy="fcfs", max_num_seqs=1)
+    sched.urgent_alone = True
+    runner = FakeRunner(VOCAB)
+    sched.add_request(Request("low", [1, 2], max_tokens=4))
+    step(sched, runner)
+    sched.add_request(Request("high", [2, 3], max_tokens=2, priority=5))
+    out, _ = step(sched, runner)
+    assert list(out.num_scheduled_tokens) == ["low"]
+    sched = make_sched(num_blocks=3, block_size=4, policy="fcfs", max_num_seqs=2)
+    sched.urgent_alone = True
+    sched.add_request(Request("low", [1] * 7, max_tokens=4))
+    step(sched, runner)
+    sched.add_request(Request("high", [2] * 5, max_tokens=2, priority=5))
+    out, _ = step(sched, runner)
+    assert list(out.num_scheduled_tokens) == ["low"]
+
+
 def test_equal_priority_does_not_preempt():
     sched = make_sched(num_blocks=64, policy="priority", max_num_seqs=1)
     runner = FakeRunner(VOCAB)
@@ -467,8 +530,9 @@ ops = st.lists(
     budget=st.integers(1, 24),
     seats=st.integers(1, 6),
     caching=st.booleans(),
+    alone=st.booleans(),
 )
-def test_random_operations_keep_invariants(ops, policy, mode, budget, seats, caching):
+def test_random_operations_keep_invariants(ops, policy, mode, budget, seats, caching, alone):
     sched = make_sched(
         num_blocks=10,
         block_size=4,
@@ -480,6 +544,7 @@ def test_random_operations_keep_invariants(ops, policy, mode, budget, seats, cac
         max_num_seqs=seats,
         max_model_len=40,
     )
+    sched.urgent_alone = alone
     runner = FakeRunner(VOCAB)
     expected: dict[str, tuple[list[int], int]] = {}
     aborted: set[str] = set()
