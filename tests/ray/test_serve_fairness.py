@@ -5,10 +5,12 @@ priority, Serve's direct ingress): through HTTP, and through the handle API.
 Two tenants with weights 3:1 each keep more requests outstanding than the app has seats plus
 local-queue places (36; 64 and 40), so both stay backlogged at the controller (checked: its
 queue per tenant is sampled); the tokens each is served (from every request's `usage`) over a
-30 s window after warm-up must be 3:1 within 15%. Four of each tenant's clients stream (their
-TTFT is the backlogged tenants'); the others take whole responses. Streaming all 104 cost this
-process (their client) ~0.5 core and the ingress as much, which starved the probe (2.7x idle)
-and let the queues run dry (backlogged 0.86); whole responses cost the client ~0.2-0.26 core.
+30 s window after warm-up must be 3:1 within 15%. The load's clients run in a process of their
+own (in CI this test's process carries a thousand earlier tests: there its client stalled long
+enough to let the queues run dry, backlogged 0.85). Four of each tenant's clients stream (their
+TTFT is the backlogged tenants'); the others take whole responses. Streaming all 104 cost the
+client ~0.5 core and the ingress as much, which starved the probe (2.7x idle) and let the
+queues run dry (backlogged 0.86); whole responses cost the client ~0.15-0.26 core.
 A priority-10 tenant sends one request at a time meanwhile, from a process of its own: its
 median TTFT under that load must stay within 2x of its median TTFT on the idle app, measured
 in the same test.
@@ -17,8 +19,8 @@ Twice: with the tiny model, where the two engine threads and the serving plane s
 (the 2x holds there by the replicas' `yield_steps`, below), and with replicas paced like a GPU
 (`model: sim`, `time_scale: 2`: a step takes twice its modelled GPU time and next to no CPU),
 where it must. Twice the modelled time halves the tokens the 2 cores must carry to this test's
-load, whose client work (in this process) would otherwise starve the serving plane and the
-probe. The result prints the cores each role used over the window (`cores`), so a failure
+load, whose client work would otherwise starve the serving plane and the probe. The result
+prints the cores each role used over the window (`cores`), so a failure
 says what competed for them.
 """
 
@@ -28,6 +30,8 @@ import asyncio
 import json
 import os
 import statistics
+import subprocess
+import sys
 import time
 
 import httpx
@@ -39,14 +43,14 @@ from loopback import ServerLoop, free_port, run_serve_app  # noqa: E402
 
 KEYS = {"a": "sk-fair-a", "b": "sk-fair-b", "p": "sk-fair-p", "q": "sk-fair-q"}
 WEIGHTS = {"a": 3.0, "b": 1.0}
-# Streams per backlogged tenant: each keeps more outstanding than the app's 2 x (16 seats + 2
-# local places), and the heavier one up to its in-flight limit (64), since the streams between
-# two of its requests (in this busy process) are 3x as many as the other's.
+# Clients per backlogged tenant, one request outstanding each: each tenant keeps more
+# outstanding than the app's 2 x (16 seats + 2 local places), and the heavier one up to its
+# in-flight limit (64), since its clients between two requests are 3x as many as the other's.
 STREAMS = {"a": 64, "b": 40}
-# Of each tenant's streams, this many stream their tokens (their TTFT is the backlogged
-# tenants' TTFT); the others take the whole response at once, which costs the test's process
-# (which runs them all) and the ingress a fraction of the CPU per token, so that the load does
-# not starve the app and the probe it measures.
+# Of each tenant's clients, this many stream their tokens (their TTFT is the backlogged
+# tenants' TTFT); the others take the whole response at once, which costs the load's process
+# and the ingress a fraction of the CPU per token, so that the load does not starve the app
+# and the probe it measures.
 STREAMED = 4
 PROMPT_LEN, MAX_TOKENS = 32, 32
 WARMUP_S, WINDOW_S = 8.0, 30.0
@@ -251,9 +255,6 @@ print(json.dumps(ttfts))
 
 
 async def priority_probe(transport: str, target: str, first: int, count: int, seconds: float):
-    import subprocess
-    import sys
-
     args = [transport, target, KEYS["p"], first, count, seconds, PROMPT_LEN, PROBE_MAX_TOKENS]
     cmd = [sys.executable, "-c", PRIORITY_PROBE, *map(str, args)]
     proc = await asyncio.create_subprocess_exec(*cmd, stdout=subprocess.PIPE)
@@ -264,21 +265,21 @@ async def priority_probe(transport: str, target: str, first: int, count: int, se
     return ttfts
 
 
-async def scenario(transport, kind: str, target: str, traces: str) -> dict:
-    from fairbatch.benchmarks.serving_path import by_role, cpu_snapshot
-    from fairbatch.deployments.cluster import trace
-
-    # The priority tenant on the idle app first.
-    idle_start = time.monotonic()
-    idle = await priority_probe(kind, target, 1, 12, 0)
-    idle_end = time.monotonic()
-    served: dict[str, list[tuple[float, int]]] = {"a": [], "b": []}  # (end time, tokens)
+async def load(kind: str, target: str) -> None:
+    """The backlogged tenants' clients, each with one request outstanding at a time, from their
+    start until a line on stdin; then every client ends its request. Prints what each tenant
+    was served ((end time, tokens) per request; `time.monotonic`, one clock for all processes
+    on a machine) and the streamed requests' TTFTs, as JSON. The test runs this in a process
+    of its own (`python <this file> KIND TARGET`), through HTTP or a Serve handle."""
+    if kind == "handle":
+        ray.init(address=target, log_to_driver=False)
+    transport = HttpTransport(target) if kind == "http" else HandleTransport()
+    served: dict[str, list[tuple[float, int]]] = {t: [] for t in WEIGHTS}
+    ttfts: list[float] = []
+    counter = dict.fromkeys(WEIGHTS, 0)
     stop = asyncio.Event()
-    counter = {"a": 0, "b": 0}
 
-    ttfts: list[float] = []  # of the backlogged tenants' requests
-
-    async def stream_loop(tenant: str, streamed: bool) -> None:
+    async def client(tenant: str, streamed: bool) -> None:
         while not stop.is_set():
             counter[tenant] += 1
             ids = prompt(tenant, counter[tenant])
@@ -287,7 +288,29 @@ async def scenario(transport, kind: str, target: str, traces: str) -> dict:
             if streamed:
                 ttfts.append(ttft)
 
+    clients = [
+        asyncio.create_task(client(t, streamed=i < STREAMED))
+        for t in WEIGHTS
+        for i in range(STREAMS[t])
+    ]
+    await asyncio.to_thread(sys.stdin.readline)
+    stop.set()
+    await asyncio.wait_for(asyncio.gather(*clients), 120)  # every client ends its request
+    await transport.close()
+    print(json.dumps({"served": served, "ttfts": ttfts}), flush=True)
+
+
+async def scenario(kind: str, target: str, traces: str) -> dict:
+    from fairbatch.benchmarks.serving_path import by_role, cpu_snapshot
+    from fairbatch.deployments.cluster import trace
+
+    # The priority tenant on the idle app first.
+    idle_start = time.monotonic()
+    idle = await priority_probe(kind, target, 1, 12, 0)
+    idle_end = time.monotonic()
+
     backlog: list[dict[str, int]] = []  # the controller's queue per tenant, sampled
+    stop = asyncio.Event()
 
     async def sample_backlog() -> None:
         from ray import serve
@@ -298,21 +321,34 @@ async def scenario(transport, kind: str, target: str, traces: str) -> dict:
             backlog.append(stats["controller"]["queued_by_tenant"])
             await asyncio.sleep(0.5)
 
-    loops = [
-        asyncio.create_task(stream_loop(t, streamed=i < STREAMED))
-        for t in WEIGHTS
-        for i in range(STREAMS[t])
-    ]
-    t0 = time.monotonic()
-    await asyncio.sleep(WARMUP_S)
-    sampler = asyncio.create_task(sample_backlog())
-    cpu0 = cpu_snapshot()
-    start = time.monotonic()
-    loaded = await priority_probe(kind, target, 100, 1, WINDOW_S)  # meanwhile
-    end = time.monotonic()
-    cores = {role: round(s / (end - start), 2) for role, s in by_role(cpu0, cpu_snapshot()).items()}
-    stop.set()
-    await asyncio.wait_for(asyncio.gather(*loops, sampler), 120)  # every stream ends its request
+    support = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "support")
+    path = os.pathsep.join(p for p in (support, os.environ.get("PYTHONPATH")) if p)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, os.path.abspath(__file__), kind, target,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": path},
+    )  # fmt: skip
+    try:
+        t0 = time.monotonic()
+        await asyncio.sleep(WARMUP_S)
+        assert proc.returncode is None, "the load's process ended before the window"
+        sampler = asyncio.create_task(sample_backlog())
+        roles = {proc.pid: "load"}
+        cpu0 = cpu_snapshot(roles)
+        start = time.monotonic()
+        loaded = await priority_probe(kind, target, 100, 1, WINDOW_S)  # meanwhile
+        end = time.monotonic()
+        cpu1 = cpu_snapshot(roles)
+        stop.set()
+        out, _ = await asyncio.wait_for(proc.communicate(b"stop\n"), 150)
+        assert proc.returncode == 0, out
+        await sampler
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    result = json.loads(out.decode().strip().splitlines()[-1])
+    served, ttfts = result["served"], result["ttfts"]
+    cores = {role: round(s / (end - start), 2) for role, s in by_role(cpu0, cpu1).items()}
     window = {t: sum(n for at, n in rows if start <= at < end) for t, rows in served.items()}
     return {
         "window": window,
@@ -332,8 +368,8 @@ async def scenario(transport, kind: str, target: str, traces: str) -> dict:
         },  # fmt: skip
         # and how many it had queued there, median over the samples (the premise's margin)
         "queued": {t: statistics.median(q.get(t, 0) for q in backlog) for t in WEIGHTS},
-        # cores each role used over the window ("client": this process, the load's client;
-        # "other": the probe's process, and whatever else ran on the machine)
+        # cores each role used over the window ("load": the load's clients; "client": this
+        # process, the sampler; "other": the probe's process, and whatever else ran)
         "cores": dict(sorted(cores.items(), key=lambda kv: -kv[1])),
     }
 
@@ -343,15 +379,8 @@ async def scenario(transport, kind: str, target: str, traces: str) -> dict:
 def test_weights_and_priority_hold_end_to_end(app, transport):
     loop: ServerLoop = app["loop"]
 
-    async def run() -> dict:
-        t = HttpTransport(app["base"]) if transport == "http" else HandleTransport()
-        target = app["base"] if transport == "http" else ray.get_runtime_context().gcs_address
-        try:
-            return await scenario(t, transport, target, app["traces"])
-        finally:
-            await t.close()
-
-    got = loop.run(run(), timeout=WARMUP_S + WINDOW_S + 300)
+    target = app["base"] if transport == "http" else ray.get_runtime_context().gcs_address
+    got = loop.run(scenario(transport, target, app["traces"]), timeout=WARMUP_S + WINDOW_S + 300)
     print(f"fairness via {transport}: {got}")
     # The premise: both tenants stayed backlogged at the controller (else weights cannot show).
     assert min(got["backlogged"].values()) >= 0.9, got
@@ -460,9 +489,6 @@ async def overload(base: str) -> dict:
 
 @pytest.mark.parametrize("app", ["tiny"], indirect=True)
 def test_overload_refuses_at_once_and_loses_nothing(app):
-    import subprocess
-    import sys
-
     probe_s = OVERLOAD_S - 8
     cmd = [sys.executable, "-c", PROBE, app["base"], KEYS["q"], str(probe_s)]
 
@@ -497,3 +523,7 @@ def test_overload_refuses_at_once_and_loses_nothing(app):
     # proxy and the ingress's event loop. Reported, not hidden: XFAIL with the numbers.
     if not refused or p99 > 0.050:
         pytest.xfail(f"refusal latency p99 {summary['refusal_p99_ms']} ms > 50 ms: {summary}")
+
+
+if __name__ == "__main__":  # the load's process (`scenario`)
+    asyncio.run(load(*sys.argv[1:3]))
