@@ -6,11 +6,11 @@ Two tenants with weights 3:1 each keep more requests outstanding than the app ha
 local-queue places (36; 64 and 40), so both stay backlogged at the controller (checked: its
 queue per tenant is sampled); the tokens each is served (from every request's `usage`) over a
 30 s window after warm-up must be 3:1 within 15%. The load's clients run in a process of their
-own (in CI this test's process carries a thousand earlier tests: there its client stalled long
-enough to let the queues run dry, backlogged 0.85). Four of each tenant's clients stream (their
-TTFT is the backlogged tenants'); the others take whole responses. Streaming all 104 cost the
-client ~0.5 core and the ingress as much, which starved the probe (2.7x idle) and let the
-queues run dry (backlogged 0.86); whole responses cost the client ~0.15-0.26 core.
+own (in CI's one pytest process, a thousand tests after its start, they took 0.36 core against
+~0.2 alone, and the queues ran dry in 15% of the samples). Four of each tenant's clients
+stream (their TTFT is the backlogged tenants'); the others take whole responses. Streaming all
+104 cost the client ~0.5 core and the ingress as much, which starved the probe (2.7x idle) and
+let the queues run dry (backlogged 0.86); whole responses cost the client ~0.13-0.26 core.
 A priority-10 tenant sends one request at a time meanwhile, from a process of its own: its
 median TTFT under that load must stay within 2x of its median TTFT on the idle app, measured
 in the same test.
