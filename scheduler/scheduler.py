@@ -304,10 +304,11 @@ class Scheduler:
     def _urgent_class(self) -> int | None:
         """The class of the waiting request that goes next, when it is above every running
         and swapped request's (`urgent_alone`); else None."""
-        if self._max_priority <= self.max_running_priority or not len(self.policy):
+        running = self.max_running_priority
+        if self._max_priority <= running or not len(self.policy):
             return None  # (no request above the running ones was ever added, or none waits)
         request = self.policy.peek()
-        if request is None or request.priority <= self.max_running_priority:
+        if request is None or request.priority <= running:
             return None
         if any(r.priority >= request.priority for r in self.swapped):
             return None

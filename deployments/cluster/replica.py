@@ -425,7 +425,9 @@ class Replica:
         """Add a batch of requests in one trip to the engine thread; why each was refused,
         or None."""
         # Routed before they are added: a first step may end before this coroutine resumes.
+        top_class = None  # the highest class among them (a step of lower ones gives way)
         for _, rid, meta_row, num_out, _ in batch:
+            top_class = meta_row[1] if top_class is None else max(top_class, meta_row[1])
             self._routes[rid] = _Route(box, num_out)
             box.requests.add(rid)
             self._meta[rid] = meta_row
@@ -447,7 +449,7 @@ class Replica:
             return out
 
         try:
-            errors = await self.engine.add(add_all, max((r[2][1] for r in batch), default=None))
+            errors = await self.engine.add(add_all, top_class)
         except Exception as e:  # the engine is dead
             errors = [f"{type(e).__name__}: {e}"] * len(batch)
         for (_, rid, *_), error in zip(batch, errors):
