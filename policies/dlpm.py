@@ -71,9 +71,9 @@ import math
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from .base import TenantSpec
 from .priority import PriorityPolicy
 from .queues import FRESH, Entry, Order
+from .tenants import TenantSpec
 
 if TYPE_CHECKING:
     from fairbatch.scheduler.request import Request

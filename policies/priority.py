@@ -22,9 +22,10 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from .base import Policy, TenantSpec
+from .base import Policy
 from .fcfs import FcfsOrder
 from .queues import Entry, LazyHeap, Order
+from .tenants import TenantSpec
 from .weighted_fair import VtcOrder
 
 if TYPE_CHECKING:

@@ -5,11 +5,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from .base import Policy, TenantSpec
+from .base import Policy
 from .dlpm import DlpmPolicy, LpmPolicy
 from .fcfs import FcfsPolicy
 from .priority import PriorityPolicy
 from .round_robin import RoundRobinPolicy
+from .tenants import TenantSpec
 from .weighted_fair import WeightedFairPolicy
 
 POLICIES: dict[str, type[Policy]] = {
