@@ -91,23 +91,6 @@ class ReplicaConfig:
     heartbeat_s: float = 0.5
     device: str = "cpu"
     torch_threads: int = 1  # CPU model: intra-op threads per replica (replicas share cores)
-    # Nice levels the engine thread runs below the replica process (engine.async_engine), so
-    # that where cores are short the serving plane and the replica's own event loop go first.
-    # None: CPU_ENGINE_NICENESS for a model on the CPU, where the forward passes are what
-    # fills the cores (measured: docs/BENCHMARKS.md); 0 on a GPU, whose thread mostly waits.
-    engine_thread_niceness: int | None = None
-    # Nice levels the engine thread runs above the replica process while a request of a class
-    # above 0 waits for its first token here (`AsyncEngine.urgent`): where the replicas' steps
-    # share cores, the steps it waits on take a core first. None: CPU_URGENT_BOOST for a model
-    # on the CPU, 0 (off) on a GPU. Needs CAP_SYS_NICE; without it, off after a warning.
-    urgent_thread_boost: int | None = None
-    # A step gives way, at its next layer or half-layer, to a request of a higher class than
-    # any it runs, which then starts in the next step instead of waiting out this one (the
-    # step's work so far is lost), and that next step runs its prefill without the lower
-    # classes' decodes (`EngineCore.yield_steps`). None: on for a model on the CPU, whose
-    # steps are long against a first token and grow with their decodes; off on a GPU and for
-    # a simulated runner.
-    yield_steps: bool | None = None
 
     def __post_init__(self) -> None:
         """Bad values fail here, where a config is read, not in a replica starting later."""
@@ -129,42 +112,10 @@ class ReplicaConfig:
         device = self.device
         if not (device in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", device)):
             raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}")
-        for name, high, what in (
-            ("engine_thread_niceness", 19, "below"),
-            ("urgent_thread_boost", 20, "above"),
-        ):
-            value = getattr(self, name)
-            if value is not None and not 0 <= value <= high:
-                raise ValueError(f"{name} must be 0..{high} (levels {what} the process): {value}")
 
 
 DEAD_CONSUMER = "the consumer died"  # why a submission for a consumer found dead is refused
 DEAD_CONSUMERS_KEPT = 1024  # consumer ids (one per client process) remembered as dead
-
-CPU_ENGINE_NICENESS = 10
-CPU_URGENT_BOOST = 10
-
-
-def engine_thread_levels(cfg: ReplicaConfig, core: EngineCore) -> tuple[int, int]:
-    """The nice levels the replica's engine thread runs below its process, and above it while
-    a request of a higher class waits: as configured, or by where the model runs (a simulated
-    runner has no device and needs no CPU to speak of)."""
-    on_cpu = _on_cpu(core)
-    below, above = cfg.engine_thread_niceness, cfg.urgent_thread_boost
-    if below is None:
-        below = CPU_ENGINE_NICENESS if on_cpu else 0
-    if above is None:
-        above = CPU_URGENT_BOOST if on_cpu else 0
-    return below, above
-
-
-def yields_steps(cfg: ReplicaConfig, core: EngineCore) -> bool:
-    """Whether the replica's steps give way to a higher class mid-forward (`yield_steps`)."""
-    return _on_cpu(core) if cfg.yield_steps is None else cfg.yield_steps
-
-
-def _on_cpu(core: EngineCore) -> bool:
-    return getattr(getattr(core.runner, "device", None), "type", None) == "cpu"
 
 
 def build_core(cfg: ReplicaConfig) -> EngineCore:
@@ -283,15 +234,7 @@ class Replica:
         self.config = config
         self.core = build_core(config)
         self.time_scale = config.time_scale
-        below, above = engine_thread_levels(config, self.core)
-        self.engine = AsyncEngine(
-            self.core,
-            step_hook=self._pace,
-            sink=self._deliver,
-            thread_niceness=below,
-            urgent_boost=above,
-            yield_steps=yields_steps(config, self.core),
-        )
+        self.engine = AsyncEngine(self.core, step_hook=self._pace, sink=self._deliver)
         if trace.ON:
             self.engine.step_clock = trace.StepClock()
         self._routes: dict[str, _Route] = {}  # request id -> where its items go
@@ -305,8 +248,6 @@ class Replica:
         self._socket: ChannelServer | None = None  # channel sockets, from the first one asked
         self._finished: list[tuple[str, int]] = []  # (id, output tokens) left since last report
         self._meta: dict[str, tuple[str, int, int]] = {}  # id -> (tenant, priority, max_tokens)
-        # requests of a class above 0 with no token yet: the engine thread runs boosted
-        self._urgent: set[str] = set()
         self._changed = True
         self._seq = 0
         self._hash_count = -1
@@ -425,16 +366,11 @@ class Replica:
         """Add a batch of requests in one trip to the engine thread; why each was refused,
         or None."""
         # Routed before they are added: a first step may end before this coroutine resumes.
-        top_class = None  # the highest class among them (a step of lower ones gives way)
         for _, rid, meta_row, num_out, _ in batch:
-            top_class = meta_row[1] if top_class is None else max(top_class, meta_row[1])
             self._routes[rid] = _Route(box, num_out)
             box.requests.add(rid)
             self._meta[rid] = meta_row
-            if meta_row[1] > 0 and num_out == 0:
-                self._urgent.add(rid)
         self._changed = True
-        self.engine.urgent(bool(self._urgent))  # (before the step running now ends)
 
         def add_all() -> list[str | None]:
             out: list[str | None] = []
@@ -449,7 +385,7 @@ class Replica:
             return out
 
         try:
-            errors = await self.engine.add(add_all, top_class)
+            errors = await self.engine.add(add_all)
         except Exception as e:  # the engine is dead
             errors = [f"{type(e).__name__}: {e}"] * len(batch)
         for (_, rid, *_), error in zip(batch, errors):
@@ -457,8 +393,6 @@ class Replica:
                 self._routes.pop(rid, None)
                 box.requests.discard(rid)
                 self._meta.pop(rid, None)
-                self._urgent.discard(rid)
-        self.engine.urgent(bool(self._urgent))
         self._watch(box)
         return errors
 
@@ -549,7 +483,6 @@ class Replica:
             return
         # (the engine may be a step further by now: these deltas' step is the one delivered)
         steps, replica_id, routes = self.engine.delivered_step, self.replica_id, self._routes
-        urgent = self._urgent
         times = self.engine.delivered_times
         for d in deltas:
             route = routes.get(d.request_id)
@@ -558,8 +491,6 @@ class Replica:
             if times is not None:
                 _trace_step(d.request_id, times)
             route.num_out += len(d.token_ids)
-            if d.token_ids and urgent and d.request_id in urgent:
-                urgent.discard(d.request_id)
             item = StreamItem(
                 d.token_ids,
                 d.text,
@@ -576,8 +507,6 @@ class Replica:
                 self._end(d.request_id, item)
             elif not route.box.put(item):
                 self._stalled(route.box)
-        if not urgent:
-            self.engine.urgent(False)
 
     def _end(self, rid: str, last: Any) -> None:
         """The request's last item (finished, or a Moved marker): it leaves this replica."""
@@ -586,9 +515,6 @@ class Replica:
             return
         route.box.requests.discard(rid)
         self._meta.pop(rid, None)
-        if rid in self._urgent:
-            self._urgent.discard(rid)
-            self.engine.urgent(bool(self._urgent))
         self._finished.append((rid, route.num_out))
         self._changed = True
         if not route.box.put(last):

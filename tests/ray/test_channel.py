@@ -6,10 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import os
 import socket
-import sys
-import threading
 
 import pytest
 
@@ -259,110 +256,6 @@ def test_items_of_an_expected_request_wait_for_its_queue(transport):
     got, late = run(main())
     assert sum(len(it.token_ids) for it in got) == 5 and got[-1].finish_reason == "length"
     assert all(it.request_id == "r0" for it in got) and late.empty()
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness is Linux")
-def test_the_engine_thread_of_a_cpu_model_runs_below_the_replica_process():
-    """On the CPU the forward passes fill the cores, so the engine thread yields to the
-    replica's event loop and the serving plane (`CPU_ENGINE_NICENESS` levels lower); a sim
-    runner keeps its process's level; a configured value wins; 20 is refused."""
-    from fairbatch.deployments.cluster.replica import CPU_ENGINE_NICENESS
-
-    if os.getpriority(os.PRIO_PROCESS, 0) + CPU_ENGINE_NICENESS > 19:
-        pytest.skip("this process runs too low to go lower still")
-
-    def nice_of_this_thread() -> int:
-        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-
-    async def below(**kw) -> int:
-        rep = Replica("rep", ReplicaConfig(num_gpu_blocks=16, max_num_seqs=2, **kw))
-        inside = await rep.engine.call(nice_of_this_thread)
-        await rep.engine.shutdown()
-        return inside - nice_of_this_thread()
-
-    assert run(below(engine="tiny", device="cpu")) == CPU_ENGINE_NICENESS
-    assert run(below(engine="sim")) == 0
-    assert run(below(engine="tiny", device="cpu", engine_thread_niceness=3)) == 3
-    with pytest.raises(ValueError, match="engine_thread_niceness must be 0..19"):
-        ReplicaConfig(engine_thread_niceness=20)
-
-
-def _may_raise_priority() -> bool:
-    """Whether this process may run a thread above its own level (CAP_SYS_NICE)."""
-    out = []
-
-    def probe() -> None:
-        tid = threading.get_native_id()
-        try:
-            os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) - 1)
-            out.append(True)
-        except OSError:
-            out.append(False)
-
-    t = threading.Thread(target=probe)
-    t.start()
-    t.join()
-    return out[0]
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness is Linux")
-def test_a_request_of_a_higher_class_raises_the_engine_thread_until_its_first_token():
-    """Class-0 requests leave the engine thread at its own level (3 below the process); a
-    class-1 request raises it 5 above the process when it arrives, so that the step making its
-    first token runs raised, and the thread comes back down once that token is delivered. One
-    refused (its prompt is too long) leaves nothing raised, nor does one aborted."""
-    if not _may_raise_priority():
-        pytest.skip("no CAP_SYS_NICE here (the fallback is tested in tests/engine)")
-    base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    if base + 3 > 19 or base - 5 < -20:
-        pytest.skip("this process runs too near the ends of the nice range")
-    steps: list[tuple[int, list[str]]] = []  # per step: the engine thread's level, first tokens
-
-    def level_here() -> int:
-        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) - base
-
-    async def main():
-        rep = replica(engine_thread_niceness=3, urgent_thread_boost=5, time_scale=1.0)
-        step, seen = rep.core.step, set()
-
-        def recorded_step():
-            level = level_here()
-            deltas = step()
-            first = [d.request_id for d in deltas if d.token_ids and d.request_id not in seen]
-            seen.update(first)
-            steps.append((level, first))
-            return deltas
-
-        rep.core.step = recorded_step
-        channel = rep.channel("c")
-        assert await rep.submit("c", [meta(0, 60), meta(1, 60)]) == [None, None]
-        await asyncio.sleep(0.1)  # class 0 alone, for a while (steps take modelled time)
-        arrival = len(steps)
-        assert await rep.submit("c", [dataclasses.replace(meta(2, 4), priority=1)]) == [None]
-        items = await read_until_finished(channel, 3)
-        idle = await rep.engine.call(level_here)
-        done = len(steps)  # the three requests' steps
-        too_long = RequestMeta("r4", [7] * 2000, meta(4, 4).params, priority=1)  # > 1024
-        refused = await rep.submit("c", [too_long])
-        after_refused = await rep.engine.call(level_here)
-        await rep.submit("c3", [dataclasses.replace(meta(3, 400), priority=1)])
-        aborted = await rep.abort("r3")
-        after = await rep.engine.call(level_here)
-        await rep.engine.shutdown()
-        return items, arrival, done, idle, refused, after_refused, aborted, after, rep
-
-    items, arrival, done, idle, refused, after_refused, aborted, after, rep = run(main())
-    assert sum(len(it.token_ids) for it in items if it.request_id == "r2") == 4
-    first_of = {rid: k for k, (_, first) in enumerate(steps) for rid in first}
-    k = first_of["r2"]
-    assert arrival > first_of["r1"] + 3  # it came while class 0 ran alone, at its own level
-    assert {level for level, _ in steps[: arrival - 1]} == {3}
-    assert steps[k][0] == -5  # its first token's step ran raised ...
-    later = [level for level, _ in steps[k + 3 : done]]  # (the engine runs <= 2 steps ahead)
-    assert len(later) > 20 and set(later) == {3}  # ... and class 0 alone afterwards did not
-    assert idle == 3
-    assert refused[0] is not None and "1024" in refused[0] and after_refused == 3
-    assert aborted and after == 3 and not rep._urgent
 
 
 # ---- the controller's side: a subscriber's process that dies ------------------------------------
