@@ -18,9 +18,6 @@ import asyncio
 import collections
 import concurrent.futures
 import functools
-import logging
-import os
-import sys
 import threading
 import uuid
 import weakref
@@ -29,8 +26,6 @@ from typing import Any
 
 from fairbatch.engine.core import EngineCore, RequestDelta
 from fairbatch.engine.sampling_params import SamplingParams
-
-log = logging.getLogger(__name__)
 
 
 class EngineDeadError(RuntimeError):
@@ -48,24 +43,11 @@ class AsyncEngine:
         engine: EngineCore,
         step_hook: Callable[[], Any] | None = None,
         sink: Callable[[list[RequestDelta] | BaseException], Any] | None = None,
-        thread_niceness: int = 0,
-        urgent_boost: int = 0,
-        yield_steps: bool = False,
     ) -> None:
         self.engine = engine
         # called on the event loop with each step's deltas of requests added by `add` (not
         # streamed by `generate`), or once with the exception that stopped the steps
         self._sink = sink
-        # `thread_niceness` > 0 runs the engine thread that many nice levels below its process:
-        # where the cores are short, the process's event loop (new requests, the channel) and
-        # the serving plane beside it get the CPU first, and the steps take what is left.
-        self._niceness = thread_niceness
-        # `urgent_boost` > 0: while `urgent(True)` holds, the engine thread runs that many
-        # levels above its process instead (a request of a higher class waits on its steps).
-        self._boost = urgent_boost
-        self._urgent = False
-        self._base_niceness = 0  # the niceness of the thread that started the engine
-        self._tid: int | None = None  # the engine thread's, once it runs
         self._step_hook = step_hook  # called on the engine thread after each step (pacing)
         self.step_clock: Any = None  # times each step when set: begin(), then stop() -> times
         self.num_steps = 0  # steps run (on the engine thread, which may be ahead of delivery)
@@ -85,20 +67,12 @@ class AsyncEngine:
         self._undelivered = 0
         self._stopping = False
         self._error: BaseException | None = None  # what the step that failed raised
-        # The highest class among the requests `add` has waiting for the engine thread (None:
-        # none). With `yield_steps`, a step of lower classes gives way to them between two
-        # layers of its forward (EngineCore.yield_steps) instead of making them wait its end.
-        self._waiting_class: int | None = None
-        if yield_steps:
-            engine.yield_steps(lambda: self._waiting_class)
 
     # ---- lifecycle --------------------------------------------------------------------------
 
     def _ensure_started(self) -> None:
         if self._thread is None:
             self._loop = asyncio.get_running_loop()
-            if _LINUX:
-                self._base_niceness = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
             self._thread = threading.Thread(target=self._run, name="engine")
             _LIVE.add(self)
             self._thread.start()
@@ -118,55 +92,17 @@ class AsyncEngine:
             self._stopping = True
             self._cond.notify_all()
 
-    def urgent(self, on: bool) -> None:
-        """Run the engine thread `urgent_boost` levels above its process while `on`, and back
-        at its own level after: where the engine shares cores with other processes (a model on
-        the CPU), the steps a request of a higher class waits on then take a core first. Any
-        thread may call it; a no-op without a boost, off Linux, or without the right to raise
-        a priority (CAP_SYS_NICE), which is warned about once."""
-        if on == self._urgent or self._boost <= 0:  # (every step: no lock when nothing changes)
-            return
-        with self._cond:
-            if on == self._urgent or self._boost <= 0:
-                return
-            self._urgent = on
-            if self._tid is not None:
-                self._apply_niceness()
-
-    def _apply_niceness(self) -> None:
-        """The engine thread's niceness from its state (under `_cond`, once the thread runs)."""
-        if not _LINUX or (self._niceness <= 0 and self._boost <= 0):
-            return
-        offset = -self._boost if self._urgent else self._niceness
-        level = max(-20, min(19, self._base_niceness + offset))
-        try:
-            os.setpriority(os.PRIO_PROCESS, self._tid, level)
-        except OSError as e:
-            if not self._urgent:
-                log.warning("could not set the engine thread's niceness to %d: %r", level, e)
-                return
-            log.warning(
-                "could not raise the engine thread's priority for an urgent request (%r): "
-                "needs CAP_SYS_NICE; urgent requests run at the engine thread's own level",
-                e,
-            )
-            self._boost, self._urgent = 0, False
-            self._apply_niceness()
-
     async def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run `fn(*args)` on the engine thread, between steps (in the order called)."""
         return await self._call(functools.partial(fn, *args, **kwargs))
 
-    async def _call(self, fn: Callable[[], Any], priority: int | None = None) -> Any:
+    async def _call(self, fn: Callable[[], Any]) -> Any:
         self._ensure_started()
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._cond:
             if self._stopping:
                 raise EngineDeadError("the engine was shut down")
             self._calls.append((fn, future))
-            if priority is not None:  # (set with the call, cleared when the calls are taken)
-                waiting = self._waiting_class
-                self._waiting_class = priority if waiting is None else max(waiting, priority)
             self._cond.notify()
         return await asyncio.wrap_future(future)
 
@@ -184,7 +120,7 @@ class AsyncEngine:
             raise EngineDeadError(str(self._error))
         rid = kwargs.pop("request_id", None) or uuid.uuid4().hex
         add = functools.partial(self.engine.add_request, prompt, params, request_id=rid, **kwargs)
-        async for delta in self._stream(rid, add, kwargs.get("priority", 0)):
+        async for delta in self._stream(rid, add):
             yield delta
 
     async def resume(self, migrated: Any) -> AsyncIterator[RequestDelta]:
@@ -192,28 +128,25 @@ class AsyncEngine:
         self._ensure_started()
         request = migrated.request
         add = functools.partial(self.engine.import_request, migrated)
-        async for delta in self._stream(request.request_id, add, request.priority):
+        async for delta in self._stream(request.request_id, add):
             yield delta
 
-    async def add(self, add: Callable[[], Any], priority: int | None = None) -> Any:
+    async def add(self, add: Callable[[], Any]) -> Any:
         """Run `add` (EngineCore adds/imports) on the engine thread; the requests' deltas go to
-        the sink. Returns what `add` returns, raises what it raises. `priority`: the highest
-        class among the requests it adds, for `yield_steps`."""
+        the sink. Returns what `add` returns, raises what it raises."""
         self._ensure_started()
         if self._error is not None:
             raise EngineDeadError(str(self._error))
-        return await self._call(add, priority)
+        return await self._call(add)
 
-    async def _stream(
-        self, rid: str, add: Callable[[], Any], priority: int
-    ) -> AsyncIterator[RequestDelta]:
+    async def _stream(self, rid: str, add: Callable[[], Any]) -> AsyncIterator[RequestDelta]:
         if rid in self._streams:
             raise ValueError(f"duplicate request id {rid!r}")
         # Register before adding: the first step may finish before this coroutine resumes.
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = queue
         try:
-            await self._call(add, priority)
+            await self._call(add)
         except BaseException:
             self._streams.pop(rid, None)
             raise
@@ -245,9 +178,6 @@ class AsyncEngine:
         """The engine thread: the calls waiting, then a step while there is work, in a loop. The
         next step starts as soon as this one ends; its deltas reach the event loop meanwhile.
         After a failed step it only runs calls (aborts, stats), until stopped."""
-        with self._cond:
-            self._tid = threading.get_native_id()
-            self._apply_niceness()
         while True:
             with self._cond:
                 while not (self._stopping or self._calls or self._may_step()):
@@ -256,7 +186,6 @@ class AsyncEngine:
                     break
                 calls = list(self._calls)
                 self._calls.clear()
-                self._waiting_class = None
             for fn, future in calls:
                 if future.set_running_or_notify_cancel():  # (not if its caller went away)
                     try:
@@ -332,8 +261,6 @@ class AsyncEngine:
         if rest and self._sink is not None:
             self._sink(rest)
 
-
-_LINUX = sys.platform.startswith("linux")  # where threads have a niceness of their own
 
 # Engines whose thread runs: stopped when the interpreter exits, as a thread pool's workers are
 # (before non-daemon threads are joined), so that none is inside a step while Python finalizes.

@@ -13,7 +13,6 @@ import math
 import operator
 import time
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,11 +37,6 @@ class RequestDelta:
     # entry 0 None, then one per prompt token) and the prompt tokens found in the prefix cache.
     prompt_logprobs: list[Any] | None = None
     num_cached_tokens: int | None = None
-
-
-class StepInterrupted(Exception):
-    """A step gave way inside its forward (`EngineCore.yield_steps`): nothing of it was
-    computed or sampled, and the scheduler runs its work again in the next step."""
 
 
 @dataclass
@@ -76,10 +70,6 @@ class EngineCore:
         self.structured: StructuredOutput | None = None
         # requests evicted past a deadline, per (tenant, stage "queue" | "running")
         self.timed_out: Counter[tuple[str, str]] = Counter()
-        # See `yield_steps`: the class of a request waiting to be added, or None.
-        self._yield_to: Callable[[], int | None] | None = None
-        self._step_class = 0  # the highest class running in the step under way
-        self.num_interrupted_steps = 0
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -216,27 +206,6 @@ class EngineCore:
             self.runner.logits_mask = self.structured.mask
         return self.structured
 
-    def yield_steps(self, waiting_class: Callable[[], int | None]) -> bool:
-        """Let a step give way, at its next layer or half-layer, to a request of a higher class
-        than any running (`waiting_class()`: the highest class waiting to be added, or None),
-        instead of making it wait for the step's end; and let the step that admits such a
-        request run its prefill without the lower classes' decodes (`Scheduler.urgent_alone`),
-        which then go on from the step after. What the step that gave way had done is lost and
-        done again, so this pays where steps are long against a first token and grow with
-        their decodes (a model on the CPU). False, changing nothing, when the runner runs no
-        layers of its own (a simulated runner)."""
-        if not hasattr(self.runner, "give_way"):
-            return False
-        self._yield_to = waiting_class
-        self.runner.give_way = self._give_way
-        self.scheduler.urgent_alone = True
-        return True
-
-    def _give_way(self) -> None:
-        waiting = self._yield_to()  # type: ignore[misc]
-        if waiting is not None and waiting > self._step_class:
-            raise StepInterrupted
-
     def stats(self) -> dict:
         """Cumulative counters and current occupancy (what a benchmark reads before and after)."""
         s = self.scheduler
@@ -249,8 +218,6 @@ class EngineCore:
             if cache is not None
             else {"in": 0, "out": 0},
             "prefix_hit_tokens": s.num_prefix_hit_tokens,
-            "interrupted_steps": self.num_interrupted_steps,
-            "alone_steps": s.num_alone_steps,
             "running": len(s.running),
             "waiting": s.num_waiting,
             "swapped": len(s.swapped),
@@ -267,27 +234,18 @@ class EngineCore:
         if self.structured is not None:
             failed = self.structured.admit_ready(idle=not self.scheduler.has_unfinished)
         out = self.scheduler.schedule()
+        runner_out = self.runner.execute(out)
+        updates = self.scheduler.update_from_output(out, runner_out)
+        finished_map = updates.finished
+        if self.structured is not None:  # matchers take the new tokens; done grammars stop
+            finished_map = self.structured.advance(updates.new_tokens, finished_map)
+        logprobs = runner_out.logprobs
         deltas = []
-        if self._yield_to is not None:
-            self._step_class = self.scheduler.max_running_priority
-        try:
-            runner_out = self.runner.execute(out)
-        except StepInterrupted:
-            # Nothing was computed: no update, and every request keeps the progress it had
-            # (schedule() only allocated, admitted and preempted, which all stand).
-            self.num_interrupted_steps += 1
-        else:
-            updates = self.scheduler.update_from_output(out, runner_out)
-            finished_map = updates.finished
-            if self.structured is not None:  # matchers take the new tokens; done grammars stop
-                finished_map = self.structured.advance(updates.new_tokens, finished_map)
-            logprobs = runner_out.logprobs
-            for rid, token in updates.new_tokens.items():
-                delta = self._delta(rid, [token], finished_map.get(rid), logprobs.get(rid))
-                deltas.append(delta)
-            for rid, reason in finished_map.items():
-                if rid not in updates.new_tokens:
-                    deltas.append(self._delta(rid, [], reason, None))
+        for rid, token in updates.new_tokens.items():
+            deltas.append(self._delta(rid, [token], finished_map.get(rid), logprobs.get(rid)))
+        for rid, reason in finished_map.items():
+            if rid not in updates.new_tokens:
+                deltas.append(self._delta(rid, [], reason, None))
         for rid, key in out.timed_out.items():  # evicted past a deadline, before the step
             self.timed_out[key] += 1
             deltas.append(self._delta(rid, [], "timeout", None))

@@ -12,7 +12,7 @@ positions times float32 inverse frequencies, then cast to the activation dtype.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -157,12 +157,9 @@ class DecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         backend: AttentionBackend,
-        give_way: Callable[[], None] | None = None,  # called between attention and MLP
     ) -> torch.Tensor:
         h = self.input_layernorm(x)
         x = x + self.self_attn(rope, h, kv_cache, meta, backend)
-        if give_way is not None:
-            give_way()
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -243,17 +240,12 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,  # [T] int64
         kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, Hkv, D]
         attn_metadata: AttentionMetadata,
-        # called before every layer but the first and between each layer's attention and MLP;
-        # what it raises gives the step up (EngineCore.yield_steps)
-        give_way: Callable[[], None] | None = None,
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         backend = self.attn_backend(x.device, x.dtype)
         rope = self.model.rotary(positions, x.dtype)
-        for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
-            if i and give_way is not None:
-                give_way()
-            x = layer(rope, x, kv_cache, attn_metadata, backend, give_way)
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            x = layer(rope, x, kv_cache, attn_metadata, backend)
         return self.model.norm(x)  # [T, hidden]
 
     @torch.inference_mode()

@@ -15,7 +15,7 @@ completed. On CPU a step is built as plain tensors.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -71,9 +71,6 @@ class ModelRunner:
         # (logits, requests) -> logits with each constrained row's disallowed tokens at -inf
         # (engine/structured.py); set by the engine on its first constrained request
         self.logits_mask = None
-        # called at points inside an eager forward (LlamaForCausalLM.forward); what it raises
-        # gives the step up before anything was sampled (EngineCore.yield_steps)
-        self.give_way: Callable[[], None] | None = None
         self.forward_time = 0.0  # seconds spent in model forward + logits (for the benchmark)
         self.num_steps = 0
         if stage_inputs is None:
@@ -199,7 +196,7 @@ class ModelRunner:
                 query_lens, seq_lens, tables, self.block_size, self.device
             )
             ids = host_ints(input_ids).to(self.device)
-            return self.model(ids, positions, self.kv_caches, meta, self.give_way), extra
+            return self.model(ids, positions, self.kv_caches, meta), extra
         n = len(INPUT_NAMES)
         batch = self._graph_batch(query_lens, tables)
         if batch is not None:
@@ -225,7 +222,7 @@ class ModelRunner:
             if plan is not None:
                 plan.attach(meta, views[n : n + len(plan_arrays)])
             n += len(plan_arrays)
-            hidden = self.model(dev["ids"].long(), positions, self.kv_caches, meta, self.give_way)
+            hidden = self.model(dev["ids"].long(), positions, self.kv_caches, meta)
         return hidden, [v.long() for v in views[n:]]
 
     def _graph_batch(self, query_lens: list[int], tables: list[list[int]]) -> int | None:

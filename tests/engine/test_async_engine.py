@@ -3,10 +3,8 @@ a failed step ends every stream; the steps run ahead of a busy event loop, withi
 shutdown and interpreter exit stop the engine thread."""
 
 import asyncio
-import os
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -77,70 +75,6 @@ def test_bad_request_raises_and_engine_keeps_serving():
 
     out = asyncio.run(main())
     assert out[-1].finished and sum(len(d.token_ids) for d in out) == 10
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness is Linux")
-def test_engine_thread_runs_below_its_process():
-    """`thread_niceness`: the engine thread (steps, adds) runs that many nice levels below the
-    process; the event loop's thread keeps the process's."""
-
-    def nice_of_this_thread() -> int:
-        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-
-    async def main():
-        engine = AsyncEngine(build_engine("tiny", num_gpu_blocks=32), thread_niceness=3)
-        inside = await engine.call(nice_of_this_thread)
-        tokens = [t async for d in engine.generate("tenants", PARAMS) for t in d.token_ids]
-        await engine.shutdown()
-        return inside, nice_of_this_thread(), tokens
-
-    if os.getpriority(os.PRIO_PROCESS, 0) > 16:
-        pytest.skip("this process runs too low to go 3 levels lower")
-    inside, outside, tokens = asyncio.run(main())
-    assert inside == outside + 3 and len(tokens) == 10
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness is Linux")
-def test_urgent_without_the_right_to_raise_warns_once_and_keeps_the_own_level(monkeypatch, caplog):
-    """`urgent(True)` where raising a thread's priority is not allowed (no CAP_SYS_NICE: what
-    Linux answers is EPERM / EACCES): one warning, the boost is off from then on, the engine
-    thread stays at its own level, and requests are served as before."""
-    import fairbatch.engine.async_engine as ae
-
-    real = os.setpriority
-    tried: list[int] = []
-
-    def unprivileged(which, who, level):
-        tried.append(level)
-        if level < os.getpriority(which, who):
-            raise PermissionError(13, "Permission denied")
-        real(which, who, level)
-
-    monkeypatch.setattr(ae.os, "setpriority", unprivileged)
-
-    def nice_of_this_thread() -> int:
-        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-
-    async def main():
-        engine = AsyncEngine(
-            build_engine("tiny", num_gpu_blocks=32), thread_niceness=3, urgent_boost=5
-        )
-        before = await engine.call(nice_of_this_thread)
-        engine.urgent(True)
-        during = await engine.call(nice_of_this_thread)
-        engine.urgent(False)
-        engine.urgent(True)  # (off by now: tried no more)
-        tokens = [t async for d in engine.generate("tenants", PARAMS) for t in d.token_ids]
-        await engine.shutdown()
-        return before, during, tokens, nice_of_this_thread()
-
-    if os.getpriority(os.PRIO_PROCESS, 0) > 16:
-        pytest.skip("this process runs too low to go 3 levels lower")
-    with caplog.at_level("WARNING", logger="fairbatch.engine.async_engine"):
-        before, during, tokens, outside = asyncio.run(main())
-    assert before == during == outside + 3 and len(tokens) == 10
-    assert tried == [outside + 3, outside - 5, outside + 3]  # own level, the refused raise, back
-    assert [r.message.count("CAP_SYS_NICE") for r in caplog.records] == [1]
 
 
 def test_a_failed_step_ends_every_stream_and_calls_still_run():
