@@ -14,6 +14,10 @@ A client that goes away is noticed while its request waits for its first token (
 is cancelled) and while it streams (the stream is closed): either way the backend iterator is
 closed, which aborts the request and frees its KV blocks. Logs carry request ids, tenants and
 token counts, never keys or prompt text.
+
+The routes are in routes.py (health, models, the caller's own requests, admin) and
+generation.py (completions, chat, responses); `_Api` here is the state they share, at
+`request.app.state.api`.
 """
 
 from __future__ import annotations
@@ -31,34 +35,19 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from fairbatch.deployments.api import generation, routes
 from fairbatch.deployments.api import schemas as S
 from fairbatch.deployments.api.config import AppConfig, parse_config
 from fairbatch.deployments.api.http import (
     ClientGone,
-    SSEResponse,
     close_stream,
     error_response,
     maybe_await,
-    read_json,
     until_disconnect,
-    validate,
     validation_message,
 )
 from fairbatch.deployments.api.prometheus import ApiMetrics, add_metrics_route
-from fairbatch.deployments.api.responses import (
-    ResponseRun,
-    collect_choices,
-    complete_runs,
-    stream_runs,
-)
-from fairbatch.deployments.api.responses_api import ResponseBuilder, ResponsesRequest
 from fairbatch.deployments.api.schemas import ApiError, bad_request
-from fairbatch.deployments.api.structured import (
-    chat_plan,
-    completion_grammar,
-    with_grammar,
-    with_plan,
-)
 from fairbatch.deployments.api.tenants import (
     Admission,
     AuthError,
@@ -68,11 +57,7 @@ from fairbatch.deployments.api.tenants import (
 )
 
 log = logging.getLogger("fairbatch.api")
-COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 TOKENIZE_IN_THREAD_CHARS = 4096  # longer texts are tokenized off the event loop
-
-
-# ---- the app ---------------------------------------------------------------------------------
 
 
 class _Api:
@@ -355,289 +340,51 @@ def create_app(
     app = FastAPI(title="fairbatch", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.api = api
     app.state.registry = api.registry
-
-    # -- errors ----------------------------------------------------------------------------
-
-    @app.exception_handler(ApiError)
-    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return error_response(exc)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        msg, param = validation_message(list(exc.errors()))
-        return error_response(bad_request(msg, param))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        err = ApiError(exc.status_code, str(exc.detail), type=kind, code=None)
-        err.headers = dict(exc.headers or {})
-        return error_response(err)
-
-    @app.exception_handler(ClientGone)
-    async def _gone(request: Request, exc: ClientGone) -> JSONResponse:
-        return error_response(ApiError(499, "client closed the request", code="client_gone"))
-
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, exc: Exception) -> JSONResponse:
-        log.error("internal error on %s: %s", request.url.path, type(exc).__name__, exc_info=exc)
-        return error_response(
-            ApiError(500, "internal server error", type="server_error", code="internal_error")
-        )
-
-    # -- plain routes ----------------------------------------------------------------------
-
-    @app.get("/health")
-    async def health() -> JSONResponse:
-        check = getattr(api.backend, "check_health", None)
-        ok = api.backend is not None
-        if check is not None:
-            try:
-                ok = bool(await maybe_await(check()))
-            except Exception:
-                ok = False
-        if not ok:
-            return JSONResponse({"status": "unhealthy"}, status_code=503)
-        return JSONResponse({"status": "ok"})
-
-    @app.get("/v1/models")
-    async def models(request: Request) -> dict:
-        api.tenant(request)
-        api.ready()
-        card = S.model_card(api.model_name, api.created, api.max_model_len)
-        return {"object": "list", "data": [card]}
-
-    @app.get("/v1/models/{model:path}")
-    async def model(model: str, request: Request) -> dict:
-        api.tenant(request)
-        api.ready()
-        api.check_model(model)
-        return S.model_card(api.model_name, api.created, api.max_model_len)
-
-    # -- generation ------------------------------------------------------------------------
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Any:
-        tenant = api.tenant(request)
-        api.ready()
-        body = validate(S.CompletionRequest, await read_json(request, api.limits.max_body_bytes))
-        api.check_model(body.model)
-        body.check_unsupported()
-        body.check_stream_options()
-        stop = body.stop_list(api.limits.max_stop_sequences)
-        vocab = api.tokenizer.vocab_size
-        # echo with logprobs scores the prompt too; max_tokens 0 runs one token, then drops it
-        prompt_top = body.logprobs if body.echo else None
-        grammar = await completion_grammar(body)  # response_format
-        jobs = []  # (text or None, ids, params), validated before anything is admitted
-        for prompt in body.prompts(api.limits.max_prompts_per_request):
-            ids = api.check_ids(prompt) if isinstance(prompt, list) else await api.encode(prompt)
-            requested = 1 if body.max_tokens == 0 else body.max_tokens
-            max_tokens = api.max_tokens(len(ids), requested, COMPLETION_DEFAULT_MAX_TOKENS)
-            params = body.sampling_params(
-                max_tokens,
-                body.logprobs,
-                stop,
-                vocab=vocab,
-                prompt_logprobs=prompt_top,
-                deadlines=tenant.deadlines,
-            )
-            params = with_grammar(params, grammar)
-            jobs.append((prompt if isinstance(prompt, str) else None, ids, params))
-        started = await api.launch(request, tenant, "cmpl-", [(ids, p) for _, ids, p in jobs])
-        runs = []
-        for ticket, it, first, job, sample in started:
-            text, ids, params = jobs[job]
-            echo = None
-            if body.echo:
-                echo = (text if text is not None else api.tokenizer.decode(ids), ids)
-            runs.append(ResponseRun(
-                api, ticket, it, first, chat=False, top_n=body.logprobs,
-                index=job * params.n + sample, echo=echo, discard_output=body.max_tokens == 0,
-            ))  # fmt: skip
-        return await respond(request, runs, body)
-
-    async def respond(request: Request, runs: list[ResponseRun], body: Any) -> Any:
-        if body.stream:
-            usage = bool(body.stream_options and body.stream_options.include_usage)
-
-            async def close_all() -> None:
-                for r in runs:
-                    await r.close()
-
-            return SSEResponse(stream_runs(runs, usage), close_all)
-        return await complete_runs(request, runs)
-
-    async def chat_runs(
-        request: Request, tenant: TenantState, body: S.ChatCompletionRequest, prefix="chatcmpl-"
-    ) -> list[ResponseRun]:
-        """A validated chat body admitted and started: one run per sample, its request ids
-        starting with `prefix`."""
-        api.check_model(body.model)
-        body.check_unsupported()
-        body.check_stream_options()
-        messages = body.chat_messages()
-        try:
-            # `tools` as Hugging Face passes them (None without): templates that know tool use
-            # render them into the prompt
-            text = api.tokenizer.apply_chat_template(messages, tools=body.tools)
-        except Exception as e:  # the template's own checks (roles, order) raise ValueError
-            msg = str(e) if isinstance(e, ValueError) else "the chat template cannot render these"
-            raise bad_request(msg[:500], "messages") from None
-        bos = api.tokenizer.bos_token
-        ids = await api.encode(text, add_special_tokens=not (bos and text.startswith(bos)))
-        requested = body.max_completion_tokens or body.max_tokens
-        max_tokens = api.max_tokens(len(ids), requested, api.limits.default_max_tokens)
-        stop = body.stop_list(api.limits.max_stop_sequences)
-        top_n = (body.top_logprobs or 0) if body.logprobs else None
-        params = body.sampling_params(
-            max_tokens, top_n, stop, vocab=api.tokenizer.vocab_size, deadlines=tenant.deadlines
-        )
-        cfg = api.config
-        plan = await chat_plan(body, cfg.tool_call_parser, cfg.reasoning_parser)
-        params = with_plan(params, plan)
-        launched = await api.launch(request, tenant, prefix, [(ids, params)])
-        return [
-            ResponseRun(
-                api,
-                ticket,
-                it,
-                first,
-                chat=True,
-                top_n=top_n,
-                output=plan.converter(),
-                index=sample,
-            )
-            for ticket, it, first, _, sample in launched
-        ]
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Any:
-        tenant = api.tenant(request)
-        api.ready()
-        data = await read_json(request, api.limits.max_body_bytes)
-        body = validate(S.ChatCompletionRequest, data)
-        runs = await chat_runs(request, tenant, body)
-        return await respond(request, runs, body)
-
-    @app.post("/v1/responses")
-    async def responses(request: Request) -> Any:
-        tenant = api.tenant(request)
-        api.ready()
-        data = await read_json(request, api.limits.max_body_bytes)
-        body = validate(ResponsesRequest, data)
-        try:
-            chat = validate(S.ChatCompletionRequest, body.chat_body())
-            (run,) = await chat_runs(request, tenant, chat, prefix="resp_")  # the response's id
-        except ApiError as e:  # named by this request's fields, not the chat request's
-            e.param = body.param_of(e.param)
-            raise
-        reply = ResponseBuilder(body, run)
-        if body.stream:
-            return SSEResponse(reply.events(), run.close)
-        (choice,) = await collect_choices(request, [run])
-        return JSONResponse(reply.whole(choice))
-
-    # -- the caller's own requests ---------------------------------------------------------
-
-    def own(request: Request, request_id: str) -> Admission:
-        ticket = api.registry.lookup(api.tenant(request), request_id)
-        if ticket is None:  # also when another tenant owns it: ids cannot be probed
-            raise ApiError(404, f"no request {request_id!r} in flight", code="request_not_found")
-        return ticket
-
-    @app.get("/v1/requests/{request_id}")
-    async def get_request(request_id: str, request: Request) -> dict:
-        t = own(request, request_id)
-        return {
-            "id": t.request_id,
-            "object": "request",
-            "created": t.created,
-            "model": api.model_name,
-            "status": "cancelling" if t.cancelled else "running",
-            "usage": S.usage(t.prompt_tokens, t.completion_tokens),
-        }
-
-    @app.delete("/v1/requests/{request_id}")
-    async def cancel_request(request_id: str, request: Request) -> dict:
-        t = own(request, request_id)
-        t.cancelled = True
-        await api.backend.abort(t.request_id)
-        log.info("cancel request_id=%s tenant=%s", t.request_id, t.tenant.name)
-        return {"id": t.request_id, "object": "request", "cancelled": True}
-
+    for exc_class, handler in _ERROR_HANDLERS.items():
+        app.add_exception_handler(exc_class, handler)
+    app.include_router(routes.router)  # health, models, the caller's own requests, admin
+    app.include_router(generation.router)  # completions, chat completions, responses
     add_metrics_route(app, api)  # GET /metrics (see prometheus.py)
-
-    # -- admin -----------------------------------------------------------------------------
-
-    @app.get("/admin/tenants")
-    async def list_tenants(request: Request) -> dict:
-        api.require_admin(request)
-        reg = api.registry
-        return {
-            "object": "list",
-            "data": [t.public() for t in reg.tenants.values()],
-            "in_flight": reg.total_in_flight,
-            "rejected": reg.rejected_total,
-        }
-
-    @app.get("/admin/stats")
-    async def stats(request: Request) -> dict:
-        """The engines' counters (preemptions, swaps, prefix hits, occupancy) and the API's
-        own (rejections, in flight): what a benchmark reads before and after a run."""
-        api.require_admin(request)
-        engine: dict = {}
-        get = getattr(api.backend, "stats", None)
-        if get is not None:
-            try:
-                engine = await maybe_await(get())
-            except Exception:
-                log.error("backend stats failed", exc_info=True)
-                raise ApiError(503, "the backend did not answer", type="server_error") from None
-        reg = api.registry
-        return {
-            "object": "stats",
-            "engine": engine,
-            "rejected": reg.rejected_total,
-            "in_flight": reg.total_in_flight,
-        }
-
-    @app.patch("/admin/tenants/{name}")
-    async def patch_tenant(name: str, request: Request) -> dict:
-        api.require_admin(request)
-        data = await read_json(request, api.limits.max_body_bytes)
-        patch = validate(S.TenantPatch, data)
-        reg = api.registry
-        if name not in reg.tenants:
-            raise ApiError(404, f"unknown tenant {name!r}", param="name", code="tenant_not_found")
-        saved = reg.snapshot(name)
-        state = reg.update(
-            name,
-            weight=patch.weight,
-            priority=patch.priority,
-            tokens_per_minute=patch.tokens_per_minute,
-            clear_quota="tokens_per_minute" in patch.model_fields_set
-            and patch.tokens_per_minute is None,
-            max_requests=patch.max_requests,
-            clear_max_requests="max_requests" in patch.model_fields_set
-            and patch.max_requests is None,
-        )
-        try:
-            await api.push_tenant(state)
-        except Exception:
-            log.error("backend refused the update of tenant %s", name, exc_info=True)
-            restored = reg.restore(saved)
-            try:  # a backend that took part of the update (some replicas) gets the old one back
-                await api.push_tenant(restored)
-            except Exception:
-                log.error("could not push the restored tenant %s", name, exc_info=True)
-            raise ApiError(
-                502, "the backend refused the tenant update", type="server_error"
-            ) from None
-        log.info("admin updated tenant %s", name)
-        return state.public()
-
     return app
+
+
+# ---- errors: every one in OpenAI's shape ---------------------------------------------------------
+
+
+async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+    return error_response(exc)
+
+
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    msg, param = validation_message(list(exc.errors()))
+    return error_response(bad_request(msg, param))
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+    err = ApiError(exc.status_code, str(exc.detail), type=kind, code=None)
+    err.headers = dict(exc.headers or {})
+    return error_response(err)
+
+
+async def _gone(request: Request, exc: ClientGone) -> JSONResponse:
+    return error_response(ApiError(499, "client closed the request", code="client_gone"))
+
+
+async def _internal(request: Request, exc: Exception) -> JSONResponse:
+    log.error("internal error on %s: %s", request.url.path, type(exc).__name__, exc_info=exc)
+    return error_response(
+        ApiError(500, "internal server error", type="server_error", code="internal_error")
+    )
+
+
+_ERROR_HANDLERS: dict[Any, Callable] = {
+    ApiError: _api_error,
+    RequestValidationError: _validation_error,
+    StarletteHTTPException: _http_error,
+    ClientGone: _gone,
+    Exception: _internal,
+}
 
 
 async def bind_backend(app: FastAPI, backend: Any) -> None:

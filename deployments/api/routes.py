@@ -1,0 +1,162 @@
+"""The routes around generation: GET /health, GET /v1/models[/{model}], the caller's own
+requests (GET|DELETE /v1/requests/{id}), and the admin routes (GET /admin/tenants,
+GET /admin/stats, PATCH /admin/tenants/{name}). Each reads the app's `_Api` (server.py)."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from fairbatch.deployments.api import schemas as S
+from fairbatch.deployments.api.http import maybe_await, read_json, validate
+from fairbatch.deployments.api.schemas import ApiError
+
+if TYPE_CHECKING:
+    from fairbatch.deployments.api.server import _Api
+    from fairbatch.deployments.api.tenants import Admission
+
+log = logging.getLogger("fairbatch.api")
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(request: Request) -> JSONResponse:
+    api: _Api = request.app.state.api
+    check = getattr(api.backend, "check_health", None)
+    ok = api.backend is not None
+    if check is not None:
+        try:
+            ok = bool(await maybe_await(check()))
+        except Exception:
+            ok = False
+    if not ok:
+        return JSONResponse({"status": "unhealthy"}, status_code=503)
+    return JSONResponse({"status": "ok"})
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> dict:
+    api: _Api = request.app.state.api
+    api.tenant(request)
+    api.ready()
+    card = S.model_card(api.model_name, api.created, api.max_model_len)
+    return {"object": "list", "data": [card]}
+
+
+@router.get("/v1/models/{model:path}")
+async def model(model: str, request: Request) -> dict:
+    api: _Api = request.app.state.api
+    api.tenant(request)
+    api.ready()
+    api.check_model(model)
+    return S.model_card(api.model_name, api.created, api.max_model_len)
+
+
+# ---- the caller's own requests -----------------------------------------------------------------
+
+
+def _own(api: _Api, request: Request, request_id: str) -> Admission:
+    ticket = api.registry.lookup(api.tenant(request), request_id)
+    if ticket is None:  # also when another tenant owns it: ids cannot be probed
+        raise ApiError(404, f"no request {request_id!r} in flight", code="request_not_found")
+    return ticket
+
+
+@router.get("/v1/requests/{request_id}")
+async def get_request(request_id: str, request: Request) -> dict:
+    api: _Api = request.app.state.api
+    t = _own(api, request, request_id)
+    return {
+        "id": t.request_id,
+        "object": "request",
+        "created": t.created,
+        "model": api.model_name,
+        "status": "cancelling" if t.cancelled else "running",
+        "usage": S.usage(t.prompt_tokens, t.completion_tokens),
+    }
+
+
+@router.delete("/v1/requests/{request_id}")
+async def cancel_request(request_id: str, request: Request) -> dict:
+    api: _Api = request.app.state.api
+    t = _own(api, request, request_id)
+    t.cancelled = True
+    await api.backend.abort(t.request_id)
+    log.info("cancel request_id=%s tenant=%s", t.request_id, t.tenant.name)
+    return {"id": t.request_id, "object": "request", "cancelled": True}
+
+
+# ---- admin -------------------------------------------------------------------------------------
+
+
+@router.get("/admin/tenants")
+async def list_tenants(request: Request) -> dict:
+    api: _Api = request.app.state.api
+    api.require_admin(request)
+    reg = api.registry
+    return {
+        "object": "list",
+        "data": [t.public() for t in reg.tenants.values()],
+        "in_flight": reg.total_in_flight,
+        "rejected": reg.rejected_total,
+    }
+
+
+@router.get("/admin/stats")
+async def stats(request: Request) -> dict:
+    """The engines' counters (preemptions, swaps, prefix hits, occupancy) and the API's
+    own (rejections, in flight): what a benchmark reads before and after a run."""
+    api: _Api = request.app.state.api
+    api.require_admin(request)
+    engine: dict = {}
+    get = getattr(api.backend, "stats", None)
+    if get is not None:
+        try:
+            engine = await maybe_await(get())
+        except Exception:
+            log.error("backend stats failed", exc_info=True)
+            raise ApiError(503, "the backend did not answer", type="server_error") from None
+    reg = api.registry
+    return {
+        "object": "stats",
+        "engine": engine,
+        "rejected": reg.rejected_total,
+        "in_flight": reg.total_in_flight,
+    }
+
+
+@router.patch("/admin/tenants/{name}")
+async def patch_tenant(name: str, request: Request) -> dict:
+    api: _Api = request.app.state.api
+    api.require_admin(request)
+    data = await read_json(request, api.limits.max_body_bytes)
+    patch = validate(S.TenantPatch, data)
+    reg = api.registry
+    if name not in reg.tenants:
+        raise ApiError(404, f"unknown tenant {name!r}", param="name", code="tenant_not_found")
+    saved = reg.snapshot(name)
+    state = reg.update(
+        name,
+        weight=patch.weight,
+        priority=patch.priority,
+        tokens_per_minute=patch.tokens_per_minute,
+        clear_quota="tokens_per_minute" in patch.model_fields_set
+        and patch.tokens_per_minute is None,
+        max_requests=patch.max_requests,
+        clear_max_requests="max_requests" in patch.model_fields_set and patch.max_requests is None,
+    )
+    try:
+        await api.push_tenant(state)
+    except Exception:
+        log.error("backend refused the update of tenant %s", name, exc_info=True)
+        restored = reg.restore(saved)
+        try:  # a backend that took part of the update (some replicas) gets the old one back
+            await api.push_tenant(restored)
+        except Exception:
+            log.error("could not push the restored tenant %s", name, exc_info=True)
+        raise ApiError(502, "the backend refused the tenant update", type="server_error") from None
+    log.info("admin updated tenant %s", name)
+    return state.public()
