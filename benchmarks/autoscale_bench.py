@@ -1,6 +1,6 @@
 """`fairbatch bench cluster --autoscale`: fairness-aware autoscaling on simulated replicas.
 
-The one-process loop of cluster_bench.py (the controller is the real `FairnessCore`; replicas
+The simulated cluster of sim_cluster.py (the controller is the real `FairnessCore`; replicas
 are EngineCores on the unpaced sim runner, in virtual time), with open-loop Poisson arrivals
 shaped like a day: quiet, a ramp to 10x the quiet rate, a peak, a ramp down, quiet again. The
 autoscaled system runs the controller's `Autoscaler` on the virtual clock: a new replica costs
@@ -16,30 +16,22 @@ lets every system finish its backlog) plus any request a drained replica still h
 
 from __future__ import annotations
 
-import heapq
 import json
 import math
 import random
 import time
 from dataclasses import dataclass
 
-from fairbatch.benchmarks.cluster_bench import SimReplica, Workload, pct
+from fairbatch.benchmarks.sim_cluster import SimCluster, pct
 from fairbatch.deployments.cluster.autoscaling import (
     Autoscaler,
     AutoscalingConfig,
-    Requeue,
     drain_actions,
     drain_choice,
     drained,
     measure,
 )
-from fairbatch.deployments.cluster.fairness import (
-    Assign,
-    ControllerConfig,
-    FairnessCore,
-    Migrate,
-    Preempt,
-)
+from fairbatch.deployments.cluster.fairness import ControllerConfig, FairnessCore
 from fairbatch.deployments.cluster.wire import RequestMeta
 from fairbatch.engine.sampling_params import SamplingParams
 from fairbatch.policies import TenantSpec
@@ -77,7 +69,6 @@ class Day:
 
 def run_one(day: Day, system: str, scaling: AutoscalingConfig | None = None) -> dict:
     rng = random.Random(day.seed)
-    wl = Workload(max_num_seqs=day.max_num_seqs, num_gpu_blocks=4096)
     specs = [TenantSpec("a", weight=1.0), TenantSpec("b", weight=2.0)]
     core = FairnessCore(ControllerConfig(tenants=specs, policy="weighted_fair"))
     if system == "fixed_peak":
@@ -86,24 +77,20 @@ def run_one(day: Day, system: str, scaling: AutoscalingConfig | None = None) -> 
         n0 = max(1, round(day.peak_replicas * day.mean_rate() / day.peak_rate))
     else:
         n0 = scaling.min_replicas
+    sim = SimCluster(core, max_num_seqs=day.max_num_seqs, num_gpu_blocks=4096)
+    replicas = sim.replicas
     scaler = None
-    now = 0.0
     if scaling is not None:
-        scaler = Autoscaler(scaling, n0, clock=lambda: now)
-    replicas: dict[str, SimReplica] = {}
+        scaler = Autoscaler(scaling, n0, clock=lambda: sim.now)
     replica_seconds = 0.0
     most = 0  # replicas at once, at most
-    heap: list = []
     ids = iter(range(1 << 30))
 
     def add_replica(ready_at: float) -> None:
         nonlocal most
         rid = f"r{next(ids)}"
         most = max(most, len(replicas) + 1)
-        r = replicas[rid] = SimReplica(rid, wl, "weighted_fair", specs)
-        r.runner.idle_until(ready_at)
-        r.next_report = ready_at
-        heapq.heappush(heap, (ready_at, rid))
+        sim.add(rid, "weighted_fair", specs, at=ready_at, key=rid)
 
     for _ in range(n0):
         add_replica(0.0)
@@ -119,74 +106,31 @@ def run_one(day: Day, system: str, scaling: AutoscalingConfig | None = None) -> 
     first_token: dict[str, float] = {}
     out_len: dict[str, int] = {}
     done: dict[str, int] = {}
-    requeued: dict[str, object] = {}  # request id -> its MigratedRequest, until reassigned
     draining: set[str] = set()
     lost_at_drain = 0
-    migrations = requeues = 0
     params = SamplingParams(max_tokens=day.max_tokens, ignore_eos=True)
-
-    def apply(actions: list) -> None:
-        nonlocal migrations, requeues
-        for a in actions:
-            if isinstance(a, Assign):
-                rep = replicas[a.replica_id]
-                held = requeued.pop(a.ticket.request_id, None)
-                if held is not None:
-                    rep.core.import_request(held)
-                    rep.runner.idle_until(now)
-                else:
-                    rep.assign(a.ticket, now)
-            elif isinstance(a, Preempt):
-                replicas[a.replica_id].core.preempt(a.request_id, a.mode)
-            elif isinstance(a, Migrate):  # as Replica.migrate_out: swap out if it can, export
-                src, dst = replicas[a.src], replicas[a.dst]
-                req = src.core.scheduler.requests.get(a.request_id)
-                if req is None or (a.waiting_only and req.status.name != "WAITING"):
-                    apply(core.move_done(a, ok=False))  # ended, or started: it stays
-                    continue
-                if req.status.name == "RUNNING":
-                    swap = src.core.scheduler.kv.can_swap_out(req)
-                    src.core.preempt(a.request_id, "swap" if swap else "recompute")
-                dst.core.import_request(src.core.export_request(a.request_id))
-                dst.runner.idle_until(now)
-                migrations += 1
-                apply(core.move_done(a, ok=True))
-            elif isinstance(a, Requeue):  # the client resubmits it with its tokens
-                src = replicas[a.replica_id]
-                req = src.core.scheduler.requests.get(a.request_id)
-                if req is None:
-                    continue
-                if req.status.name == "RUNNING":  # started since the report: stops here
-                    src.core.preempt(a.request_id, "recompute")
-                moved = src.core.export_request(a.request_id)
-                src.finished.append((a.request_id, moved.request.num_output_tokens))
-                requeued[a.request_id] = moved
-                meta = RequestMeta(a.request_id, moved.request.prompt_token_ids, params)
-                meta.tenant, meta.attempt = moved.request.tenant, 1
-                requeues += 1
-                apply(core.submit(meta))
 
     def scale() -> None:
         nonlocal lost_at_drain
         for rid in list(draining):
-            apply(drain_actions(core, rid))
+            sim.apply(drain_actions(core, rid))
             r = replicas[rid]
             if drained(core, rid) and not r.core.has_unfinished():
                 lost_at_drain += len(core.remove_replica(rid))
                 draining.discard(rid)
-                del replicas[rid]
+                sim.remove(rid)
         if scaler is None:
             return
         decision = scaler.observe(measure(core, draining)).replicas
         up = [rid for rid in replicas if rid not in draining]
         if decision > len(up):
             for _ in range(decision - len(up)):
-                add_replica(now + day.startup_s)
+                add_replica(sim.now + day.startup_s)
         elif decision < len(up):
             ready = [rid for rid in up if rid in core.replicas]
             for rid in drain_choice(core, ready, len(up) - decision):
                 draining.add(rid)
-                apply(drain_actions(core, rid))
+                sim.apply(drain_actions(core, rid))
 
     next_tick = 0.0
     interval = scaling.interval_s if scaling is not None else 1.0
@@ -194,12 +138,8 @@ def run_one(day: Day, system: str, scaling: AutoscalingConfig | None = None) -> 
     last = 0.0
     t0 = time.perf_counter()
     end_by = day.duration_s * 3
-    while heap:
-        clock, rid = heapq.heappop(heap)
-        r = replicas.get(rid)
-        if r is None:
-            continue  # drained and gone
-        now = clock
+    while (r := sim.next_replica()) is not None:
+        now = sim.now
         replica_seconds += len(replicas) * (now - last)
         last = now
         while ai < len(arrivals) and arrivals[ai][0] <= now:
@@ -208,31 +148,25 @@ def run_one(day: Day, system: str, scaling: AutoscalingConfig | None = None) -> 
             ai += 1
             arrived[qid] = at
             prompt = [rng.randrange(1, 32000) for _ in range(day.prompt)]
-            apply(core.submit(RequestMeta(qid, prompt, params, tenant)))
+            sim.apply(core.submit(RequestMeta(qid, prompt, params, tenant)))
         if now >= next_tick:
             next_tick = now + interval
             scale()
-            if rid not in replicas:
+            if r.replica_id not in replicas:
                 continue
         finished_all = ai == len(arrivals) and len(done) == len(arrived)
         if finished_all or now > end_by:
             break
-        if now >= r.next_report:
-            r.next_report = now + wl.report_interval_s
-            apply(core.report(r.report()))
-        if r.core.has_unfinished():
-            for d in r.core.step():
-                if d.token_ids and d.request_id not in first_token:
-                    first_token[d.request_id] = r.runner.clock
-                out_len[d.request_id] = out_len.get(d.request_id, 0) + len(d.token_ids)
-                if d.finished:
-                    n = out_len.pop(d.request_id, 0)
-                    done[d.request_id] = n
-                    r.finished.append((d.request_id, n))
-            heapq.heappush(heap, (max(r.runner.clock, now + 1e-6), rid))
-        else:
-            r.runner.idle_until(now + wl.report_interval_s)
-            heapq.heappush(heap, (r.runner.clock, rid))
+        if (rep := sim.due_report(r)) is not None:
+            sim.apply(core.report(rep))
+        for d in sim.step(r):
+            if d.token_ids and d.request_id not in first_token:
+                first_token[d.request_id] = r.runner.clock
+            out_len[d.request_id] = out_len.get(d.request_id, 0) + len(d.token_ids)
+            if d.finished:
+                n = out_len.pop(d.request_id, 0)
+                done[d.request_id] = n
+                r.finished.append((d.request_id, n))
     ttft = [first_token[q] - arrived[q] for q in arrived if q in first_token]
     met = sum(
         1 for q in arrived if q in first_token and first_token[q] - arrived[q] <= day.slo_ttft_s
@@ -250,8 +184,8 @@ def run_one(day: Day, system: str, scaling: AutoscalingConfig | None = None) -> 
         "ttft_p99_s": pct(ttft, 99),
         "start_replicas": n0,
         "max_replicas": most,
-        "migrations": migrations,
-        "requeues": requeues,
+        "migrations": sim.migrations,
+        "requeues": sim.requeues,
         "virtual_s": round(now, 1),
         "wall_s": round(time.perf_counter() - t0, 1),
     }

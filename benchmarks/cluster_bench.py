@@ -1,11 +1,8 @@
 """`fairbatch bench cluster`: the fairness controller at scale, on simulated replicas.
 
-Runs in one process, without Ray: N replicas are EngineCores on the simulated runner (virtual
-time, unpaced), and the controller is the very `FairnessCore` the Ray actor wraps. Ray itself
-would only add per-message transport, which is not what this measures and which two cores could
-not carry for 64 replicas. A discrete-event loop always advances the replica that is furthest
-behind in virtual time; replicas report every `report_interval_s` of virtual time, as the actor
-does in real time.
+Runs in one process, without Ray, on the simulated cluster of sim_cluster.py: N replicas that
+are EngineCores on the simulated runner (virtual time) under the very `FairnessCore` the Ray
+actor wraps.
 
 Measured per (N, system):
   * admissions_per_s: admissions / wall time spent inside the controller (submit, report and
@@ -30,27 +27,16 @@ order, as a load balancer in front would see them.
 
 from __future__ import annotations
 
-import heapq
 import json
 import random
 import time
 from dataclasses import dataclass
 
-from fairbatch.deployments.cluster.fairness import (
-    Assign,
-    ControllerConfig,
-    FairnessCore,
-    Migrate,
-    Preempt,
-)
-from fairbatch.deployments.cluster.wire import ReplicaReport, RequestMeta
-from fairbatch.engine import gpu_profiles
-from fairbatch.engine.core import EngineCore
+from fairbatch.benchmarks.sim_cluster import ServiceWindow, SimCluster, jain, pct, vtc_bound
+from fairbatch.deployments.cluster.fairness import ControllerConfig, FairnessCore
+from fairbatch.deployments.cluster.wire import RequestMeta
 from fairbatch.engine.sampling_params import SamplingParams
-from fairbatch.engine.sim_runner import SimRunner
-from fairbatch.kv.manager import KVCacheManager
-from fairbatch.policies import TenantSpec, make_policy
-from fairbatch.scheduler import Scheduler, SchedulerConfig
+from fairbatch.policies import TenantSpec
 
 SYSTEMS = {
     "fairbatch": (dict(routing="fair", policy="weighted_fair"), "weighted_fair"),
@@ -82,67 +68,19 @@ class Workload:
     seed: int = 0
 
 
-class SimReplica:
-    def __init__(self, replica_id: str, wl: Workload, policy: str, specs) -> None:
-        shape = gpu_profiles.llama3_8b()
-        self.replica_id = replica_id
-        self.runner = SimRunner(shape, "H100", vocab_size=32000, block_size=wl.block_size)
-        cfg = SchedulerConfig(
-            max_num_seqs=wl.max_num_seqs,
-            max_num_batched_tokens=2048,
-            kv_bytes_per_token=shape.kv_bytes_per_token,
-        )
-        kv = KVCacheManager(wl.num_gpu_blocks, wl.block_size, 512)
-        self.core = EngineCore(Scheduler(cfg, kv, make_policy(policy, specs)), self.runner)
-        self.finished: list[tuple[str, int]] = []
-        self.seq = 0
-        self.next_report = 0.0
-
-    def assign(self, t, now: float) -> None:
-        """Start the controller's assigned ticket `t` here at virtual time `now`, as a replica
-        actor does with a submitted request."""
-        meta = t.meta
-        self.core.add_request(
-            meta.prompt_ids,
-            meta.params,
-            request_id=t.request_id,
-            tenant=t.tenant,
-            priority=t.priority,
-            cache_salt=meta.cache_salt,
-        )
-        self.runner.idle_until(now)
-
-    def report(self) -> ReplicaReport:
-        s = self.core.scheduler
-        self.seq += 1
-        running = {r.request_id for r in s.running}
-        rep = ReplicaReport(
-            replica_id=self.replica_id,
-            seq=self.seq,
-            max_num_seqs=s.config.max_num_seqs,
-            free_blocks=s.kv.num_free_blocks,
-            total_blocks=s.kv.gpu_pool.num_blocks,
-            block_size=s.kv.block_size,
-            num_waiting=s.num_waiting,
-            num_running=len(s.running),
-            num_swapped=len(s.swapped),
-            num_steps=self.runner.num_steps,
-            service=self.core.scheduler.policy.tokens(),
-            finished=self.finished,
-            active={
-                rid: (r.tenant, r.priority, rid in running, r.max_tokens, r.num_output_tokens)
-                for rid, r in s.requests.items()
-            },
-        )
-        self.finished = []
-        return rep
-
-
 def run_one(num_replicas: int, system: str, wl: Workload) -> dict:
     ctrl_kw, local_policy = SYSTEMS[system]
     specs = [TenantSpec(name, weight=w) for name, w, _, _ in wl.tenants]
     core = FairnessCore(ControllerConfig(tenants=specs, **ctrl_kw), rng=random.Random(wl.seed))
-    replicas = {f"r{i}": SimReplica(f"r{i}", wl, local_policy, specs) for i in range(num_replicas)}
+    sim = SimCluster(
+        core,
+        max_num_seqs=wl.max_num_seqs,
+        num_gpu_blocks=wl.num_gpu_blocks,
+        block_size=wl.block_size,
+        report_interval_s=wl.report_interval_s,
+    )
+    for i in range(num_replicas):
+        sim.add(f"r{i}", local_policy, specs)
     shape = {name: (p, m) for name, _, p, m in wl.tenants}
     weights = {name: w for name, w, _, _ in wl.tenants}
     rng = random.Random(wl.seed)
@@ -153,41 +91,28 @@ def run_one(num_replicas: int, system: str, wl: Workload) -> dict:
     tenant_of: dict[str, str] = {}
     out_len: dict[str, int] = {}
     ids = iter(range(1 << 62))
-    now = 0.0
 
-    def apply(actions: list, call_wall: float) -> None:
-        for a in actions:
-            if isinstance(a, Assign):
-                replicas[a.replica_id].assign(a.ticket, now)
-                admit_lat.append(call_wall)
-                queue_wait.append(now - submitted_at.pop(a.ticket.request_id))
-            elif isinstance(a, Preempt):
-                replicas[a.replica_id].core.preempt(a.request_id, a.mode)
-            elif isinstance(a, Migrate):  # what is not running moves (no K/V here)
-                src, dst = replicas[a.src], replicas[a.dst]
-                req = src.core.scheduler.requests.get(a.request_id)
-                status = None if req is None else req.status.name
-                ok = status is not None and status != "RUNNING"
-                ok = ok and (status == "WAITING" or not a.waiting_only)
-                if ok:
-                    dst.core.import_request(src.core.export_request(a.request_id))
-                apply(core.move_done(a, ok), 0.0)
+    def control(call, *args) -> None:
+        """A controller call, timed, and its actions carried out."""
+        nonlocal ctrl_time
+        t0 = time.perf_counter()
+        actions = call(*args)
+        dt = time.perf_counter() - t0
+        ctrl_time += dt
+        for t in sim.apply(actions):
+            admit_lat.append(dt)
+            queue_wait.append(sim.now - submitted_at.pop(t.request_id))
 
     def submit(tenant: str) -> None:
-        nonlocal ctrl_time
         rid = f"q{next(ids)}"
         p, m = shape[tenant]
         prompt = [rng.randrange(1, 32000) for _ in range(p)]
         meta = RequestMeta(rid, prompt, SamplingParams(max_tokens=m, ignore_eos=True), tenant)
-        submitted_at[rid] = now
+        submitted_at[rid] = sim.now
         tenant_of[rid] = tenant
-        t0 = time.perf_counter()
-        actions = core.submit(meta)
-        dt = time.perf_counter() - t0
-        ctrl_time += dt
-        apply(actions, dt)
+        control(core.submit, meta)
 
-    for r in replicas.values():  # every replica registers before the first request
+    for r in sim.replicas.values():  # every replica registers before the first request
         core.report(r.report())
     seats = num_replicas * wl.max_num_seqs
     slots = num_replicas * (wl.max_num_seqs + ControllerConfig().local_queue)
@@ -199,47 +124,19 @@ def run_one(num_replicas: int, system: str, wl: Workload) -> dict:
     for name in order:
         submit(name)
 
-    heap = [(0.0, i, r) for i, r in enumerate(replicas.values())]
-    max_diff = 0.0
-    start_service: dict[str, float] | None = None
-    warmup = min(wl.warmup_s, wl.duration_s / 2)
-    while heap:
-        clock, i, r = heapq.heappop(heap)
-        now = clock
-        if now > wl.duration_s:
-            break
-        if now >= r.next_report:
-            r.next_report = now + wl.report_interval_s
-            rep = r.report()
-            t0 = time.perf_counter()
-            actions = core.report(rep)
-            dt = time.perf_counter() - t0
-            ctrl_time += dt
-            apply(actions, dt)
-            if now >= warmup:
-                svc = service(replicas)
-                if start_service is None:
-                    start_service = svc
-                norm = [(svc.get(n, 0) - start_service.get(n, 0)) / weights[n] for n in weights]
-                max_diff = max(max_diff, max(norm) - min(norm))
-        if r.core.has_unfinished():
-            for d in r.core.step():
-                out_len[d.request_id] = out_len.get(d.request_id, 0) + len(d.token_ids)
-                if d.finished:
-                    r.finished.append((d.request_id, out_len.pop(d.request_id, 0)))
-                    submit(tenant_of.pop(d.request_id))
-            heapq.heappush(heap, (max(r.runner.clock, now + 1e-6), i, r))
-        else:
-            r.runner.idle_until(now + wl.report_interval_s)
-            heapq.heappush(heap, (r.runner.clock, i, r))
-    svc = service(replicas)
-    base = start_service or {}
-    norm = [max(0.0, svc.get(n, 0) - base.get(n, 0)) / weights[n] for n in weights]
-    jain = sum(norm) ** 2 / (len(norm) * sum(x * x for x in norm)) if any(norm) else 0.0
+    window = ServiceWindow(weights, min(wl.warmup_s, wl.duration_s / 2))
+    while (r := sim.next_replica()) is not None and sim.now <= wl.duration_s:
+        if (rep := sim.due_report(r)) is not None:
+            control(core.report, rep)
+            window.sample(sim.now, sim.replicas)
+        for d in sim.step(r):
+            out_len[d.request_id] = out_len.get(d.request_id, 0) + len(d.token_ids)
+            if d.finished:
+                r.finished.append((d.request_id, out_len.pop(d.request_id, 0)))
+                submit(tenant_of.pop(d.request_id))
+    norm = window.normalized(sim.replicas)
     max_prompt = max(p for _, _, p, _ in wl.tenants)
     max_len = max(p + m for _, _, p, m in wl.tenants)
-    m_tokens = seats * max_len
-    bound = 2 * max(1.0 * max_prompt, 2.0 * m_tokens)
     admissions = len(admit_lat)
     return {
         "replicas": num_replicas,
@@ -250,27 +147,12 @@ def run_one(num_replicas: int, system: str, wl: Workload) -> dict:
         "admit_latency_ms_p99": 1e3 * pct(admit_lat, 99),
         "queue_wait_s_p50": pct(queue_wait, 50),
         "queue_wait_s_p99": pct(queue_wait, 99),
-        "jain_index": jain,
-        "max_service_diff": max_diff,
-        "vtc_bound": bound,
+        "jain_index": jain(norm),
+        "max_service_diff": window.max_diff,
+        "vtc_bound": vtc_bound(max_prompt, max_len, seats),
         "weighted_service": {n: round(x, 1) for n, x in zip(weights, norm)},
         "virtual_s": wl.duration_s,
     }
-
-
-def service(replicas: dict) -> dict[str, float]:
-    total: dict[str, float] = {}
-    for r in replicas.values():
-        for t, v in r.core.scheduler.policy.service().items():
-            total[t] = total.get(t, 0.0) + v
-    return total
-
-
-def pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return 0.0
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
 
 
 def ray_admissions(num_replicas: int = 4, sizes: tuple[int, ...] = (1000, 4000)) -> list[dict]:

@@ -3,8 +3,8 @@
 Four tenants (weights 1, 1, 2, 4) each reuse their own long system prompts (several per
 tenant, more than a replica's cache holds) with a short unique question, closed loop, all
 backlogged; tenants pick their prompts with different skews (the hot one reuses one prompt
-most of the time). The same one-process loop as cluster_bench.py (the controller is the real
-`FairnessCore`; replicas are EngineCores on the simulated runner, virtual time).
+most of the time). On the simulated cluster of sim_cluster.py, as cluster_bench.py (the
+controller is the real `FairnessCore`; replicas are EngineCores on the simulated runner).
 
 Systems (global policy / routing, the replicas' local policy the same as the global one):
 fcfs, weighted_fair, lpm, dlpm with "fair" routing (least loaded + prefix affinity);
@@ -38,13 +38,13 @@ overload.
 
 from __future__ import annotations
 
-import heapq
 import json
 import random
 import time
 
-from fairbatch.benchmarks.cluster_bench import SimReplica, Workload, pct, service
-from fairbatch.deployments.cluster.fairness import Assign, ControllerConfig, FairnessCore
+from fairbatch.benchmarks.cluster_bench import Workload
+from fairbatch.benchmarks.sim_cluster import ServiceWindow, SimCluster, jain, pct, vtc_bound
+from fairbatch.deployments.cluster.fairness import ControllerConfig, FairnessCore
 from fairbatch.deployments.cluster.wire import RequestMeta
 from fairbatch.engine.sampling_params import SamplingParams
 from fairbatch.kv.block_pool import hash_block
@@ -111,7 +111,15 @@ def run_one(
     ctrl_kw, local = SYSTEMS[system]
     specs = [TenantSpec(n, weight=w) for n, w, _, _ in TENANTS]
     core = FairnessCore(ControllerConfig(tenants=specs, **ctrl_kw), rng=random.Random(seed))
-    replicas = {f"r{i}": SimReplica(f"r{i}", wl, local, specs) for i in range(num_replicas)}
+    sim = SimCluster(
+        core,
+        max_num_seqs=wl.max_num_seqs,
+        num_gpu_blocks=wl.num_gpu_blocks,
+        block_size=wl.block_size,
+        report_interval_s=wl.report_interval_s,
+    )
+    for i in range(num_replicas):
+        sim.add(f"r{i}", local, specs)
     rng = random.Random(seed)
     prompts = {
         n: [[rng.randrange(1, 32000) for _ in range(PROMPT)] for _ in range(k)]
@@ -125,18 +133,15 @@ def run_one(
     out_tokens = 0
     prompt_tokens = 0
     ids = iter(range(1 << 62))
-    now = 0.0
 
     def apply(actions: list) -> None:
         nonlocal prompt_tokens
-        for a in actions:
-            if isinstance(a, Assign):
-                replicas[a.replica_id].assign(a.ticket, now)  # salted by its tenant (meta)
-                prompt_tokens += len(a.ticket.meta.prompt_ids)
+        for t in sim.apply(actions):  # salted by its tenant (meta)
+            prompt_tokens += len(t.meta.prompt_ids)
 
     def submit(tenant: str) -> None:
         rid = f"q{next(ids)}"
-        shifted = shift_s is not None and now >= shift_s
+        shifted = shift_s is not None and sim.now >= shift_s
         pick = pick_prompt(rng, hot[tenant], len(prompts[tenant]), shifted)
         prompt = prompts[tenant][pick] + [rng.randrange(1, 32000) for _ in range(QUESTION)]
         hashes, parent = [], None
@@ -145,9 +150,10 @@ def run_one(
             hashes.append(parent)
         params = SamplingParams(max_tokens=OUT, ignore_eos=True)
         meta = RequestMeta(rid, prompt, params, tenant, cache_salt=tenant, prefix_hashes=hashes)
-        submitted[rid], tenant_of[rid] = now, tenant
+        submitted[rid], tenant_of[rid] = sim.now, tenant
         apply(core.submit(meta))
 
+    replicas = sim.replicas
     for r in replicas.values():
         core.report(r.report())
     slots = num_replicas * (wl.max_num_seqs + ControllerConfig().local_queue)
@@ -156,65 +162,47 @@ def run_one(
         for _ in range(int(wl.outstanding_per_slot * slots) + 1):
             for n in weights:
                 submit(n)
-    heap = [(0.0, i, r) for i, r in enumerate(replicas.values())]
     next_arrival = 0
-    start_service, start_hits, start_out, start_prompt = None, 0, 0, 0
-    max_diff, reports, peak_waiting = 0.0, 0, 0
+    window = ServiceWindow(weights, wl.warmup_s)
+    start_hits, start_out, start_prompt = 0, 0, 0
+    reports, peak_waiting = 0, 0
     wall0 = time.perf_counter()
-    while heap:
-        if next_arrival < len(arrivals) and arrivals[next_arrival][0] <= heap[0][0]:
-            now, tenant = arrivals[next_arrival]
+    while True:
+        if next_arrival < len(arrivals) and arrivals[next_arrival][0] <= sim.next_time():
+            sim.now, tenant = arrivals[next_arrival]
             next_arrival += 1
             submit(tenant)
             continue
-        clock, i, r = heapq.heappop(heap)
-        now = clock
-        if now > duration_s:
+        r = sim.next_replica()
+        if r is None or sim.now > duration_s:
             break
-        if now >= r.next_report:
-            r.next_report = now + wl.report_interval_s
-            rep = r.report()
+        if (rep := sim.due_report(r)) is not None:
             reports += 1
             peak_waiting = max(peak_waiting, rep.num_waiting)
             if reports % 5 == 1:  # the cached hashes, now and then (as replicas do)
                 rep.prefix_hashes = list(r.core.scheduler.kv.gpu_pool.cached)[-4096:]
             apply(core.report(rep))
-            if now >= wl.warmup_s:
-                svc = service(replicas)
-                if start_service is None:
-                    start_service, start_out, start_prompt = svc, out_tokens, prompt_tokens
-                    start_hits = sum(
-                        x.core.scheduler.num_prefix_hit_tokens for x in replicas.values()
-                    )
-                norm = [(svc.get(n, 0) - start_service.get(n, 0)) / weights[n] for n in weights]
-                max_diff = max(max_diff, max(norm) - min(norm))
-        if r.core.has_unfinished():
-            for d in r.core.step():
-                out_tokens += len(d.token_ids)
-                rid = d.request_id
-                if rid in submitted and d.token_ids:
-                    ttft[tenant_of[rid]].append(now - submitted.pop(rid))
-                if d.finished:
-                    r.finished.append((rid, OUT))
-                    tenant = tenant_of.pop(rid)
-                    if rate is None:
-                        submit(tenant)
-            heapq.heappush(heap, (max(r.runner.clock, now + 1e-6), i, r))
-        else:
-            r.runner.idle_until(now + wl.report_interval_s)
-            heapq.heappush(heap, (r.runner.clock, i, r))
-    svc = service(replicas)
-    base = start_service or {}
-    norm = [max(0.0, svc.get(n, 0) - base.get(n, 0)) / weights[n] for n in weights]
-    jain = sum(norm) ** 2 / (len(norm) * sum(x * x for x in norm)) if any(norm) else 0.0
+            if window.sample(sim.now, replicas):
+                start_out, start_prompt = out_tokens, prompt_tokens
+                start_hits = sum(x.core.scheduler.num_prefix_hit_tokens for x in replicas.values())
+        for d in sim.step(r):
+            out_tokens += len(d.token_ids)
+            rid = d.request_id
+            if rid in submitted and d.token_ids:
+                ttft[tenant_of[rid]].append(sim.now - submitted.pop(rid))
+            if d.finished:
+                r.finished.append((rid, OUT))
+                tenant = tenant_of.pop(rid)
+                if rate is None:
+                    submit(tenant)
+    norm = window.normalized(replicas)
     hits = sum(x.core.scheduler.num_prefix_hit_tokens for x in replicas.values()) - start_hits
-    window = duration_s - wl.warmup_s
+    window_s = duration_s - wl.warmup_s
     # bounds on |service_i/w_i - service_j/w_j| over the window: VTC's (cluster_bench.py) for
     # weighted_fair, 2B of policies/dlpm.py for dlpm (S: the cluster's slots)
     seats = num_replicas * wl.max_num_seqs
     bound = {
-        "weighted_fair": 2
-        * max(1.0 * (PROMPT + QUESTION), 2.0 * seats * (PROMPT + QUESTION + OUT)),
+        "weighted_fair": vtc_bound(PROMPT + QUESTION, PROMPT + QUESTION + OUT, seats),
         "dlpm": service_diff_bound(
             DEFAULT_QUANTUM, slots, PROMPT + QUESTION, OUT, min(weights.values())
         ),
@@ -224,14 +212,14 @@ def run_one(
         "workload": ("shared_prefix" if rate is None else "shared_prefix_open")
         + ("" if shift_s is None else "_shift"),
         "replicas": num_replicas,
-        "throughput_tok_s": (out_tokens - start_out) / window,
+        "throughput_tok_s": (out_tokens - start_out) / window_s,
         "prefix_hit_rate": hits / max(1, prompt_tokens - start_prompt),
         "ttft_s": {
             n: {"p50": round(pct(v, 50), 3), "p99": round(pct(v, 99), 3)} for n, v in ttft.items()
         },
         "worst_ttft_p99_s": max(pct(v, 99) for v in ttft.values()),
-        "jain": jain,
-        "max_service_diff": max_diff,
+        "jain": jain(norm),
+        "max_service_diff": window.max_diff,
         "bound": bound,
         "peak_replica_waiting": peak_waiting,  # the longest local queue seen (overload)
         "rate_rps": rate,
