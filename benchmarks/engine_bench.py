@@ -1,4 +1,7 @@
-"""Engine throughput: fairbatch vs transformers on the same tiny Llama weights, in one run.
+"""Engine throughput: fairbatch vs transformers on the same weights, in one run.
+
+The model is a random-weight checkpoint of a real shape (`benchmarks/checkpoints.py`; by
+default Qwen2.5-0.5B's) or any checkpoint directory; `--model tiny` is the quick 4-layer one.
 
 Three systems generate the same greedy tokens for the same requests (mixed prompt and output
 lengths):
@@ -15,44 +18,23 @@ from __future__ import annotations
 
 import json
 import random
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-TINY_HF = dict(
-    vocab_size=2048,
-    hidden_size=256,
-    intermediate_size=688,
-    num_hidden_layers=4,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    max_position_embeddings=1024,
-    rms_norm_eps=1e-5,
-    initializer_range=0.2,  # peaked logits: greedy never hinges on float rounding
-    bos_token_id=1,
-    eos_token_id=2,
-)
+from fairbatch.benchmarks.checkpoints import resolve_model
+
+VOCAB = 2048  # every shape of benchmarks/checkpoints.py has the shipped tokenizer's vocabulary
 
 
 def make_workload(n: int, prompt_range, output_range, seed: int = 0):
     rng = random.Random(seed)
     prompts = [
-        [rng.randrange(3, TINY_HF["vocab_size"]) for _ in range(rng.randint(*prompt_range))]
-        for _ in range(n)
+        [rng.randrange(3, VOCAB) for _ in range(rng.randint(*prompt_range))] for _ in range(n)
     ]
     outputs = [rng.randint(*output_range) for _ in range(n)]
     return prompts, outputs
-
-
-def build_checkpoint(path: Path) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**TINY_HF)).float().eval()
-    model.save_pretrained(path)
-    return path
 
 
 def run_fairbatch(path: Path, prompts, outputs, max_num_seqs: int = 128) -> dict:
@@ -159,6 +141,7 @@ def run_hf_cb(path: Path, prompts, outputs) -> dict:
 
 def main(
     json_path: str | None = None,
+    model: str = "qwen2.5-0.5b",
     num_requests: int = 128,
     prompt_range=(16, 512),
     output_range=(8, 256),
@@ -166,22 +149,22 @@ def main(
 ) -> dict:
     torch.set_num_threads(max(torch.get_num_threads(), 1))
     prompts, outputs = make_workload(num_requests, prompt_range, output_range)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = build_checkpoint(Path(tmp) / "tiny-llama")
-        fb = run_fairbatch(path, prompts, outputs)
-        print(f"fairbatch        {fb['tok_s']:9.1f} tok/s  ({fb['wall_s']:.1f} s)")
-        st = run_hf_static(path, prompts, outputs)
-        print(f"hf static (16)   {st['tok_s']:9.1f} tok/s  ({st['wall_s']:.1f} s)")
-        cb = None
-        if not skip_cb:
-            try:
-                cb = run_hf_cb(path, prompts, outputs)
-                print(f"hf cont. batch   {cb['tok_s']:9.1f} tok/s  ({cb['wall_s']:.1f} s)")
-            except Exception as e:  # report, don't hide: the JSON says why it is missing
-                print(f"hf cont. batch   failed: {type(e).__name__}: {e}")
-                cb = {"error": f"{type(e).__name__}: {e}"}
+    path = resolve_model(model, "float32")  # transformers' runs below are float32
+    fb = run_fairbatch(path, prompts, outputs)
+    print(f"fairbatch        {fb['tok_s']:9.1f} tok/s  ({fb['wall_s']:.1f} s)")
+    st = run_hf_static(path, prompts, outputs)
+    print(f"hf static (16)   {st['tok_s']:9.1f} tok/s  ({st['wall_s']:.1f} s)")
+    cb = None
+    if not skip_cb:
+        try:
+            cb = run_hf_cb(path, prompts, outputs)
+            print(f"hf cont. batch   {cb['tok_s']:9.1f} tok/s  ({cb['wall_s']:.1f} s)")
+        except Exception as e:  # report, don't hide: the JSON says why it is missing
+            print(f"hf cont. batch   failed: {type(e).__name__}: {e}")
+            cb = {"error": f"{type(e).__name__}: {e}"}
     agree_static = sum(a == b for a, b in zip(fb["outputs"], st["outputs"]))
     result = {
+        "model": model,
         "num_requests": num_requests,
         "prompt_range": list(prompt_range),
         "output_range": list(output_range),

@@ -27,16 +27,22 @@ def _bench_scheduler(args: argparse.Namespace) -> int:
 
 
 def _bench_engine(args: argparse.Namespace) -> int:
-    from fairbatch.benchmarks import engine_bench
-
     if args.structured:  # the grammar masks' step-time cost instead
         from fairbatch.benchmarks import structured_bench
 
         structured_bench.main(args.json, device=args.device)
         return 0
+    if args.peer:
+        from fairbatch.benchmarks.peer import offline
+
+        args.num_requests = args.num_requests or 32
+        return offline.main(args)
+    from fairbatch.benchmarks import engine_bench
+
     engine_bench.main(
         args.json,
-        num_requests=args.num_requests,
+        model=args.model,
+        num_requests=args.num_requests or 128,
         prompt_range=(args.min_prompt, args.max_prompt),
         output_range=(args.min_output, args.max_output),
         skip_cb=args.skip_cb,
@@ -315,9 +321,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--rounds", type=int, default=3, help="runs per policy, interleaved; medians reported"
     )
     sched.set_defaults(func=_bench_scheduler)
-    eng = bench_sub.add_parser("engine", help="fairbatch vs transformers tokens/s (tiny Llama)")
+    eng = bench_sub.add_parser(
+        "engine", help="fairbatch vs transformers, or vs vLLM (--peer vllm), tokens/s"
+    )
     eng.add_argument("--json", help="write results to this JSON file")
-    eng.add_argument("--num-requests", type=int, default=128)
+    eng.add_argument(
+        "--model",
+        default="qwen2.5-0.5b",
+        help="a random-weight shape (qwen2.5-0.5b, llama-3.2-1b, tiny; built once and cached, "
+        "benchmarks/checkpoints.py) or a checkpoint directory (default qwen2.5-0.5b)",
+    )
+    eng.add_argument("--num-requests", type=_positive(int), help="default 128 (32 with --peer)")
     eng.add_argument("--min-prompt", type=int, default=16)
     eng.add_argument("--max-prompt", type=int, default=512)
     eng.add_argument("--min-output", type=int, default=8)
@@ -332,6 +346,32 @@ def build_parser() -> argparse.ArgumentParser:
         "as a ratio to no constraints",
     )
     eng.add_argument("--device", default="cpu", help="for --structured: cpu or cuda")
+    g = eng.add_argument_group("against a peer engine (--peer vllm; benchmarks/peer/)")
+    g.add_argument("--peer", choices=["vllm"], help="run vLLM's offline LLM on the same work")
+    g.add_argument(
+        "--peer-python",
+        metavar="PATH",
+        help="the Python of a venv with vLLM (benchmarks/peer/make_vllm_venv.sh)",
+    )
+    g.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    g.add_argument("--prompt-len", type=_positive(int), default=64)
+    g.add_argument("--max-tokens", type=_positive(int), default=64, help="new tokens each")
+    g.add_argument("--max-num-seqs", type=_positive(int), default=32)
+    g.add_argument("--max-num-batched-tokens", type=_positive(int), default=2048)
+    g.add_argument(
+        "--kv-tokens",
+        type=_positive(int),
+        help="KV capacity of each engine in tokens (default: room for --max-num-seqs whole "
+        "sequences)",
+    )
+    g.add_argument(
+        "--peer-block-size",
+        type=_positive(int),
+        default=128,
+        help="vLLM's block size (its CPU attention needs a multiple of 32; fairbatch keeps 16)",
+    )
+    g.add_argument("--rounds", type=_positive(int), default=2, help="rounds per engine, alternated")
+    g.add_argument("--seed", type=int, default=0, help="of the random prompts")
     eng.set_defaults(func=_bench_engine)
     clu = bench_sub.add_parser(
         "cluster", help="fairness controller: admissions/s, latency, fairness vs baselines"
