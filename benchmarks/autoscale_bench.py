@@ -22,7 +22,7 @@ import random
 import time
 from dataclasses import dataclass
 
-from fairbatch.benchmarks.sim_cluster import SimCluster, pct
+from fairbatch.benchmarks.sim_cluster import SimCluster, Workload, pct
 from fairbatch.deployments.cluster.autoscaling import (
     Autoscaler,
     AutoscalingConfig,
@@ -77,7 +77,7 @@ def run_one(day: Day, system: str, scaling: AutoscalingConfig | None = None) -> 
         n0 = max(1, round(day.peak_replicas * day.mean_rate() / day.peak_rate))
     else:
         n0 = scaling.min_replicas
-    sim = SimCluster(core, max_num_seqs=day.max_num_seqs, num_gpu_blocks=4096)
+    sim = SimCluster(core, Workload(max_num_seqs=day.max_num_seqs, num_gpu_blocks=4096))
     replicas = sim.replicas
     scaler = None
     if scaling is not None:

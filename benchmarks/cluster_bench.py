@@ -30,9 +30,15 @@ from __future__ import annotations
 import json
 import random
 import time
-from dataclasses import dataclass
 
-from fairbatch.benchmarks.sim_cluster import ServiceWindow, SimCluster, jain, pct, vtc_bound
+from fairbatch.benchmarks.sim_cluster import (
+    ServiceWindow,
+    SimCluster,
+    Workload,
+    jain,
+    pct,
+    vtc_bound,
+)
 from fairbatch.deployments.cluster.fairness import ControllerConfig, FairnessCore
 from fairbatch.deployments.cluster.wire import RequestMeta
 from fairbatch.engine.sampling_params import SamplingParams
@@ -45,40 +51,11 @@ SYSTEMS = {
 }
 
 
-@dataclass
-class Workload:
-    tenants: tuple[tuple[str, float, int, int], ...] = (  # name, weight, prompt, max_tokens
-        ("t1", 1.0, 64, 64),
-        ("t2", 2.0, 64, 64),
-        ("t3", 3.0, 64, 64),
-        ("t4", 4.0, 64, 64),
-        ("long", 1.0, 64, 256),
-    )
-    # each tenant alone keeps this x the cluster's slots (seats + local queues) in flight, so
-    # every tenant stays backlogged whatever its weight
-    outstanding_per_slot: float = 1.25
-    duration_s: float = 12.0  # virtual seconds simulated
-    # service is measured after this: longer than the longest request (~2.6 s), so work
-    # admitted in the start-up burst (before any queue formed) is not counted
-    warmup_s: float = 3.0
-    max_num_seqs: int = 16
-    num_gpu_blocks: int = 2048
-    block_size: int = 16
-    report_interval_s: float = 0.02
-    seed: int = 0
-
-
 def run_one(num_replicas: int, system: str, wl: Workload) -> dict:
     ctrl_kw, local_policy = SYSTEMS[system]
     specs = [TenantSpec(name, weight=w) for name, w, _, _ in wl.tenants]
     core = FairnessCore(ControllerConfig(tenants=specs, **ctrl_kw), rng=random.Random(wl.seed))
-    sim = SimCluster(
-        core,
-        max_num_seqs=wl.max_num_seqs,
-        num_gpu_blocks=wl.num_gpu_blocks,
-        block_size=wl.block_size,
-        report_interval_s=wl.report_interval_s,
-    )
+    sim = SimCluster(core, wl)
     for i in range(num_replicas):
         sim.add(f"r{i}", local_policy, specs)
     shape = {name: (p, m) for name, _, p, m in wl.tenants}

@@ -42,8 +42,14 @@ import json
 import random
 import time
 
-from fairbatch.benchmarks.cluster_bench import Workload
-from fairbatch.benchmarks.sim_cluster import ServiceWindow, SimCluster, jain, pct, vtc_bound
+from fairbatch.benchmarks.sim_cluster import (
+    ServiceWindow,
+    SimCluster,
+    Workload,
+    jain,
+    pct,
+    vtc_bound,
+)
 from fairbatch.deployments.cluster.fairness import ControllerConfig, FairnessCore
 from fairbatch.deployments.cluster.wire import RequestMeta
 from fairbatch.engine.sampling_params import SamplingParams
@@ -111,13 +117,7 @@ def run_one(
     ctrl_kw, local = SYSTEMS[system]
     specs = [TenantSpec(n, weight=w) for n, w, _, _ in TENANTS]
     core = FairnessCore(ControllerConfig(tenants=specs, **ctrl_kw), rng=random.Random(seed))
-    sim = SimCluster(
-        core,
-        max_num_seqs=wl.max_num_seqs,
-        num_gpu_blocks=wl.num_gpu_blocks,
-        block_size=wl.block_size,
-        report_interval_s=wl.report_interval_s,
-    )
+    sim = SimCluster(core, wl)
     for i in range(num_replicas):
         sim.add(f"r{i}", local, specs)
     rng = random.Random(seed)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from fairbatch.deployments.cluster.autoscaling import Requeue
 from fairbatch.deployments.cluster.fairness import Assign, FairnessCore, Migrate, Preempt
@@ -26,22 +27,44 @@ from fairbatch.policies import make_policy
 from fairbatch.scheduler import Scheduler, SchedulerConfig
 
 
+@dataclass
+class Workload:
+    """A run's tenants and load, and its replicas' settings (the defaults: cluster_bench.py's)."""
+
+    tenants: tuple[tuple[str, float, int, int], ...] = (  # name, weight, prompt, max_tokens
+        ("t1", 1.0, 64, 64),
+        ("t2", 2.0, 64, 64),
+        ("t3", 3.0, 64, 64),
+        ("t4", 4.0, 64, 64),
+        ("long", 1.0, 64, 256),
+    )
+    # each tenant alone keeps this x the cluster's slots (seats + local queues) in flight, so
+    # every tenant stays backlogged whatever its weight
+    outstanding_per_slot: float = 1.25
+    duration_s: float = 12.0  # virtual seconds simulated
+    # service is measured after this: longer than the longest request (~2.6 s), so work
+    # admitted in the start-up burst (before any queue formed) is not counted
+    warmup_s: float = 3.0
+    max_num_seqs: int = 16
+    num_gpu_blocks: int = 2048
+    block_size: int = 16
+    report_interval_s: float = 0.02
+    seed: int = 0
+
+
 class SimReplica:
     """One replica: Llama-3-8B on an H100 (roofline step times), its own scheduler and policy."""
 
-    def __init__(
-        self, replica_id: str, policy: str, specs, max_num_seqs: int, num_gpu_blocks: int,
-        block_size: int,
-    ) -> None:  # fmt: skip
+    def __init__(self, replica_id: str, wl: Workload, policy: str, specs) -> None:
         shape = gpu_profiles.llama3_8b()
         self.replica_id = replica_id
-        self.runner = SimRunner(shape, "H100", vocab_size=32000, block_size=block_size)
+        self.runner = SimRunner(shape, "H100", vocab_size=32000, block_size=wl.block_size)
         cfg = SchedulerConfig(
-            max_num_seqs=max_num_seqs,
+            max_num_seqs=wl.max_num_seqs,
             max_num_batched_tokens=2048,
             kv_bytes_per_token=shape.kv_bytes_per_token,
         )
-        kv = KVCacheManager(num_gpu_blocks, block_size, 512)
+        kv = KVCacheManager(wl.num_gpu_blocks, wl.block_size, 512)
         self.core = EngineCore(Scheduler(cfg, kv, make_policy(policy, specs)), self.runner)
         self.finished: list[tuple[str, int]] = []  # (request id, output tokens) since the report
         self.seq = 0
@@ -90,20 +113,10 @@ class SimReplica:
 class SimCluster:
     """Simulated replicas under one controller, in virtual time (`now`)."""
 
-    def __init__(
-        self,
-        core: FairnessCore,
-        *,
-        max_num_seqs: int,
-        num_gpu_blocks: int,
-        block_size: int = 16,
-        report_interval_s: float = 0.02,
-    ) -> None:
+    def __init__(self, core: FairnessCore, wl: Workload) -> None:
         self.core = core
-        self.replica_kw = dict(
-            max_num_seqs=max_num_seqs, num_gpu_blocks=num_gpu_blocks, block_size=block_size
-        )
-        self.report_interval_s = report_interval_s
+        self.wl = wl
+        self.report_interval_s = wl.report_interval_s
         self.replicas: dict[str, SimReplica] = {}
         self.now = 0.0
         self.migrations = 0  # requests moved between replicas
@@ -115,7 +128,7 @@ class SimCluster:
     def add(self, replica_id: str, policy: str, specs, at: float = 0.0, key=None) -> SimReplica:
         """A replica that takes work (and first reports) at virtual time `at`. Replicas at the
         same virtual time go by `key` (default: the order they were added)."""
-        r = self.replicas[replica_id] = SimReplica(replica_id, policy, specs, **self.replica_kw)
+        r = self.replicas[replica_id] = SimReplica(replica_id, self.wl, policy, specs)
         r.runner.idle_until(at)
         r.next_report = at
         self._keys[replica_id] = len(self._keys) if key is None else key
