@@ -60,6 +60,13 @@ log = logging.getLogger("fairbatch.api")
 TOKENIZE_IN_THREAD_CHARS = 4096  # longer texts are tokenized off the event loop
 
 
+def _unauthorized(message: str) -> ApiError:
+    return ApiError(
+        401, message, type="authentication_error", code="invalid_api_key",
+        headers={"WWW-Authenticate": "Bearer"},
+    )  # fmt: skip
+
+
 class _Api:
     """The state behind the routes: backend, config, tenants."""
 
@@ -87,13 +94,13 @@ class _Api:
 
     def ready(self) -> None:
         if self.backend is None:
-            raise ApiError(
-                503,
-                "the model backend is not ready yet; retry later",
-                type="server_error",
-                code="backend_unavailable",
-                headers={"Retry-After": str(self.limits.retry_after_s)},
-            )
+            raise self.unavailable("the model backend is not ready yet; retry later")
+
+    def unavailable(self, message: str) -> ApiError:
+        return ApiError(
+            503, message, type="server_error", code="backend_unavailable",
+            headers={"Retry-After": str(self.limits.retry_after_s)},
+        )  # fmt: skip
 
     # -- tenants -------------------------------------------------------------------------------
 
@@ -101,13 +108,7 @@ class _Api:
         try:
             return self.registry.authenticate(request.headers.get("authorization"))
         except AuthError as e:
-            raise ApiError(
-                401,
-                str(e),
-                type="authentication_error",
-                code="invalid_api_key",
-                headers={"WWW-Authenticate": "Bearer"},
-            ) from None
+            raise _unauthorized(str(e)) from None
 
     def require_admin(self, request: Request) -> None:
         if not self.registry.admin_enabled:
@@ -115,10 +116,11 @@ class _Api:
                 403, "the admin API is disabled: no admin key is configured", code="admin_disabled"
             )
         if not self.registry.is_admin(request.headers.get("authorization")):
-            raise ApiError(
-                401, "the admin API needs the admin key", type="authentication_error",
-                code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"},
-            )  # fmt: skip
+            raise _unauthorized("the admin API needs the admin key")
+
+    async def push_tenants(self) -> None:
+        for t in self.registry.tenants.values():
+            await self.push_tenant(t)
 
     async def push_tenant(self, t: TenantState) -> None:
         hook = getattr(self.backend, "update_tenant", None)
@@ -294,13 +296,7 @@ class _Api:
     def backend_error(self, ticket: Admission) -> ApiError:
         if ticket.cancelled:
             return ApiError(409, "the request was cancelled", code="request_cancelled")
-        return ApiError(
-            503,
-            "the model backend failed to serve this request; retry later",
-            type="server_error",
-            code="backend_unavailable",
-            headers={"Retry-After": str(self.limits.retry_after_s)},
-        )
+        return self.unavailable("the model backend failed to serve this request; retry later")
 
     def finish_log(self, ticket: Admission, outcome: str) -> None:
         self.metrics.finished(ticket, outcome)
@@ -333,8 +329,7 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         if api.backend is not None:
-            for t in api.registry.tenants.values():
-                await api.push_tenant(t)
+            await api.push_tenants()
         yield
 
     app = FastAPI(title="fairbatch", lifespan=lifespan, docs_url=None, redoc_url=None)
@@ -393,5 +388,4 @@ async def bind_backend(app: FastAPI, backend: Any) -> None:
     that must build the app before the backend exists."""
     api: _Api = app.state.api
     api.bind(backend)
-    for t in api.registry.tenants.values():
-        await api.push_tenant(t)
+    await api.push_tenants()
