@@ -90,7 +90,7 @@ def tenant_key(name: str) -> str:
     return f"bench-key-{name}"
 
 
-def local_config(tenants: Sequence[Any], engine: dict) -> dict:
+def local_config(tenants: Sequence[Any], engine: dict, model: str = "tiny") -> dict:
     """The app config of a local bench server: one key per tenant, the admin key, and limits
     high enough that overload queues in the scheduler (what is measured) rather than being
     refused at the door; quotas (tokens_per_minute) still reject."""
@@ -102,7 +102,7 @@ def local_config(tenants: Sequence[Any], engine: dict) -> dict:
             row["tokens_per_minute"] = float(t.tokens_per_minute)
         rows.append(row)
     return {
-        "model": "tiny",
+        "model": model,
         "tenants": rows,
         "allow_anonymous": True,  # capacity calibration runs as the anonymous tenant
         "admin_api_key": ADMIN_KEY,
@@ -170,7 +170,12 @@ def open_target(args: Any, tenants: Sequence[Any], engine: dict) -> Iterator[Tar
             )
         yield Target(args.url.rstrip("/"), model, keys, args.api_key, args.admin_key, **common)
         return
-    config = local_config(tenants, engine)
+    model_dir = "tiny"
+    if getattr(args, "checkpoint", None):
+        from fairbatch.benchmarks.checkpoints import resolve_model
+
+        model_dir = str(resolve_model(args.checkpoint))
+    config = local_config(tenants, engine, model_dir)
     print(f"starting a local server ({engine})", file=sys.stderr, flush=True)
     with LocalServer(config) as url:
         model = args.model or asyncio.run(probe(url, None)) or "fairbatch-tiny"

@@ -76,6 +76,10 @@ def _bench_cluster(args: argparse.Namespace) -> int:
 
 
 def _bench_serve(args: argparse.Namespace) -> int:
+    if args.peer:
+        from fairbatch.benchmarks.peer import serve as peer_serve
+
+        return peer_serve.run(args)
     from fairbatch.benchmarks import serve_bench
 
     return serve_bench.main(args)
@@ -303,6 +307,24 @@ def _add_bench_serve(bench_sub: argparse._SubParsersAction) -> None:
         "times the replicas (default 0: the tiny model)",
     )
     g.add_argument("--engine-json", default="docs/results/engine.json", help="for summary")
+    g = srv.add_argument_group("against a peer server (--peer vllm; benchmarks/peer/serve.py)")
+    g.add_argument(
+        "--peer",
+        choices=["vllm"],
+        help="run `vllm serve` and `fairbatch serve --replicas 1` on --checkpoint one after "
+        "the other with the custom workload; one table",
+    )
+    g.add_argument(
+        "--peer-python",
+        metavar="PATH",
+        help="the Python of a venv with vLLM (benchmarks/peer/make_vllm_venv.sh)",
+    )
+    g.add_argument(
+        "--checkpoint",
+        help="the model of the local server(s): a random-weight shape (qwen2.5-0.5b, "
+        "llama-3.2-1b, tiny; built once and cached) or a checkpoint directory (default: "
+        "qwen2.5-0.5b with --peer, else the embedded tiny model)",
+    )
     g.add_argument("--cluster-json", help="for summary: `fairbatch bench cluster --json` output")
     srv.set_defaults(func=_bench_serve, parser=srv)
 

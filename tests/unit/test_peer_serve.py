@@ -1,0 +1,94 @@
+"""`fairbatch bench serve --peer vllm` without vLLM: the server handle (health wait, a server
+that dies, stopping its whole session), the table, and the argument errors."""
+
+from __future__ import annotations
+
+import os
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from fairbatch.benchmarks.peer import serve
+from fairbatch.benchmarks.peer.process import PeerError
+
+# Serves GET /health once it has started a child that sleeps (a stand-in for vLLM's engine
+# core process), and writes the child's pid where the test can read it.
+FAKE_SERVER = textwrap.dedent(
+    """
+    import http.server, subprocess, sys
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    open(sys.argv[2], "w").write(str(child.pid))
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/health" else 404)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
+    """
+)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is gone for our purposes: it no longer runs.
+    stat = Path(f"/proc/{pid}/stat")
+    return not (stat.exists() and stat.read_text().split()[2] == "Z")
+
+
+def test_server_waits_for_health_and_stops_its_children(tmp_path: Path) -> None:
+    script = tmp_path / "fake_server.py"
+    script.write_text(FAKE_SERVER)
+    port, pid_file = serve.free_port(), tmp_path / "child.pid"
+    cmd = [sys.executable, str(script), str(port), str(pid_file)]
+    server = serve.Server("fake", cmd, dict(os.environ), port, tmp_path / "log")
+    with server as url:
+        assert url == f"http://127.0.0.1:{port}"
+        child = int(pid_file.read_text())
+        assert _alive(child)
+    assert server.proc is None
+    deadline = time.monotonic() + 10.0  # a signal is delivered asynchronously
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(child)  # SIGKILL to the session reached the child too
+
+
+def test_server_that_exits_is_reported_with_its_log(tmp_path: Path) -> None:
+    code = "import sys; print('no module named vllm', file=sys.stderr); sys.exit(4)"
+    cmd = [sys.executable, "-c", code]
+    server = serve.Server("vllm serve", cmd, dict(os.environ), serve.free_port(), tmp_path / "l")
+    with pytest.raises(PeerError, match="vllm serve exited with code 4(.|\n)*no module named vllm"):
+        with server:
+            pass
+
+
+def test_table_and_ratio() -> None:
+    row = {"requests_per_s": 1.0, "ttft_ms": {"p50": 12.0, "p99": 30.5}}
+    summary = {
+        "fairbatch": {**row, "output_tok_s": 90.0, "tpot_ms": {"p50": 8.0, "p99": 9.0}},
+        "vllm": {**row, "output_tok_s": 120.0, "tpot_ms": {"p50": None, "p99": None}},
+        "ratio_fairbatch_to_vllm": 0.75,
+    }
+    table = serve.format_table(summary).splitlines()
+    assert table[1].split() == ["fairbatch", "90.0", "1.00", "12.0", "30.5", "8.0", "9.0"]
+    assert table[2].split() == ["vllm", "120.0", "1.00", "12.0", "30.5", "-", "-"]
+    assert table[3].endswith("0.750")
+
+
+def test_cli_peer_errors(capsys: pytest.CaptureFixture) -> None:
+    from fairbatch.deployments.cli import main
+
+    assert main(["bench", "serve", "--peer", "vllm"]) == 1
+    assert "--peer-python is required" in capsys.readouterr().err
+    args = ["bench", "serve", "--peer", "vllm", "--peer-python", sys.executable]
+    assert main([*args, "--checkpoint", "/nonexistent"]) == 1
+    assert "neither a known shape" in capsys.readouterr().err
