@@ -31,14 +31,7 @@ import json
 import random
 import time
 
-from fairbatch.benchmarks.sim_cluster import (
-    ServiceWindow,
-    SimCluster,
-    Workload,
-    jain,
-    pct,
-    vtc_bound,
-)
+from fairbatch.benchmarks.sim_cluster import ServiceWindow, SimCluster, Workload, pct, vtc_bound
 from fairbatch.deployments.cluster.fairness import ControllerConfig, FairnessCore
 from fairbatch.deployments.cluster.wire import RequestMeta
 from fairbatch.engine.sampling_params import SamplingParams
@@ -111,7 +104,7 @@ def run_one(num_replicas: int, system: str, wl: Workload) -> dict:
             if d.finished:
                 r.finished.append((d.request_id, out_len.pop(d.request_id, 0)))
                 submit(tenant_of.pop(d.request_id))
-    norm = window.normalized(sim.replicas)
+    norm, jain = window.result(sim.replicas)
     max_prompt = max(p for _, _, p, _ in wl.tenants)
     max_len = max(p + m for _, _, p, m in wl.tenants)
     admissions = len(admit_lat)
@@ -124,7 +117,7 @@ def run_one(num_replicas: int, system: str, wl: Workload) -> dict:
         "admit_latency_ms_p99": 1e3 * pct(admit_lat, 99),
         "queue_wait_s_p50": pct(queue_wait, 50),
         "queue_wait_s_p99": pct(queue_wait, 99),
-        "jain_index": jain(norm),
+        "jain_index": jain,
         "max_service_diff": window.max_diff,
         "vtc_bound": vtc_bound(max_prompt, max_len, seats),
         "weighted_service": {n: round(x, 1) for n, x in zip(weights, norm)},

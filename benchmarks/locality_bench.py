@@ -42,14 +42,7 @@ import json
 import random
 import time
 
-from fairbatch.benchmarks.sim_cluster import (
-    ServiceWindow,
-    SimCluster,
-    Workload,
-    jain,
-    pct,
-    vtc_bound,
-)
+from fairbatch.benchmarks.sim_cluster import ServiceWindow, SimCluster, Workload, pct, vtc_bound
 from fairbatch.deployments.cluster.fairness import ControllerConfig, FairnessCore
 from fairbatch.deployments.cluster.wire import RequestMeta
 from fairbatch.engine.sampling_params import SamplingParams
@@ -195,7 +188,7 @@ def run_one(
                 tenant = tenant_of.pop(rid)
                 if rate is None:
                     submit(tenant)
-    norm = window.normalized(replicas)
+    _, jain = window.result(replicas)
     hits = sum(x.core.scheduler.num_prefix_hit_tokens for x in replicas.values()) - start_hits
     window_s = duration_s - wl.warmup_s
     # bounds on |service_i/w_i - service_j/w_j| over the window: VTC's (cluster_bench.py) for
@@ -218,7 +211,7 @@ def run_one(
             n: {"p50": round(pct(v, 50), 3), "p99": round(pct(v, 99), 3)} for n, v in ttft.items()
         },
         "worst_ttft_p99_s": max(pct(v, 99) for v in ttft.values()),
-        "jain": jain(norm),
+        "jain": jain,
         "max_service_diff": window.max_diff,
         "bound": bound,
         "peak_replica_waiting": peak_waiting,  # the longest local queue seen (overload)

@@ -232,7 +232,7 @@ def service(replicas: Mapping[str, SimReplica]) -> dict[str, float]:
 
 class ServiceWindow:
     """Service / weight per tenant after a warm-up: the largest difference between two tenants
-    at any sample (`max_diff`), and what each got over the whole window (`normalized`)."""
+    at any sample (`max_diff`), and what each got over the whole window (`result`)."""
 
     def __init__(self, weights: Mapping[str, float], warmup_s: float) -> None:
         self.weights = weights
@@ -252,15 +252,12 @@ class ServiceWindow:
         self.max_diff = max(self.max_diff, max(norm) - min(norm))
         return opened
 
-    def normalized(self, replicas: Mapping[str, SimReplica]) -> list[float]:
-        """Service / weight of each tenant (in `weights` order) from the window's start on."""
+    def result(self, replicas: Mapping[str, SimReplica]) -> tuple[list[float], float]:
+        """Service / weight of each tenant (in `weights` order) from the window's start on, and
+        Jain's index over those (1 when all are equal, 1/n when one tenant got everything)."""
         svc, base = service(replicas), self.start or {}
-        return [max(0.0, svc.get(n, 0) - base.get(n, 0)) / w for n, w in self.weights.items()]
-
-
-def jain(xs: list[float]) -> float:
-    """Jain's fairness index of `xs`: 1 when all are equal, 1/n when one gets everything."""
-    return sum(xs) ** 2 / (len(xs) * sum(x * x for x in xs)) if any(xs) else 0.0
+        xs = [max(0.0, svc.get(n, 0) - base.get(n, 0)) / w for n, w in self.weights.items()]
+        return xs, sum(xs) ** 2 / (len(xs) * sum(x * x for x in xs)) if any(xs) else 0.0
 
 
 def vtc_bound(max_prompt: int, max_len: int, seats: int) -> float:
