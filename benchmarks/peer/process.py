@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import select
+import signal
 import subprocess
 import tempfile
 import time
@@ -85,6 +86,7 @@ class PeerProcess:
                 stderr=subprocess.STDOUT,
                 pass_fds=(write_fd,),
                 env=env if env is not None else peer_env(),
+                start_new_session=True,  # its children (vLLM's engine core) stop with it
             )
         except OSError as e:
             os.close(read_fd)
@@ -146,8 +148,12 @@ class PeerProcess:
                 self.proc.stdin.close()
                 self.proc.wait(timeout=60)
             except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait()
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # whatever of its session is left
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
         os.close(self._read_fd)
         self._log.close()
         self._dir.cleanup()

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from fairbatch.benchmarks.peer.process import PeerError, check_peer_python, log_tail, peer_env
-from fairbatch.benchmarks.peer.vllm_offline import kv_bytes_per_token
+from fairbatch.benchmarks.peer.vllm_offline import peer_kv_bytes
 
 BLOCK = 16  # fairbatch's block size; --num-gpu-blocks counts these
 PEER_BLOCK = 128
@@ -105,7 +105,7 @@ class Server:
 
 def vllm_server(python: str, model_dir: Path, eng: dict, port: int, log: Path) -> Server:
     config = json.loads((model_dir / "config.json").read_text())
-    kv_bytes = eng["kv_tokens"] * kv_bytes_per_token(config, "float32")
+    kv_bytes = peer_kv_bytes(eng["kv_tokens"], PEER_BLOCK, config, "float32")
     cmd = [
         python, "-c", "from vllm.entrypoints.cli.main import main; main()", "serve",
         str(model_dir), "--host", "127.0.0.1", "--port", str(port),

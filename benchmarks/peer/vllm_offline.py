@@ -31,12 +31,20 @@ def kv_bytes_per_token(hf_config: dict, dtype: str) -> int:
     return 2 * hf_config["num_hidden_layers"] * kv_heads * head_dim * size
 
 
+def peer_kv_bytes(kv_tokens: int, block_size: int, hf_config: dict, dtype: str) -> int:
+    """The KV bytes that give vLLM `kv_tokens` usable tokens: one block more, since its block
+    pool keeps a null block out of use."""
+    return (kv_tokens + block_size) * kv_bytes_per_token(hf_config, dtype)
+
+
 def build_llm(settings: dict):
     from vllm import LLM
 
     with open(os.path.join(settings["model"], "config.json")) as f:
         hf_config = json.load(f)
-    kv_bytes = settings["kv_tokens"] * kv_bytes_per_token(hf_config, settings["dtype"])
+    kv_bytes = peer_kv_bytes(
+        settings["kv_tokens"], settings["block_size"], hf_config, settings["dtype"]
+    )
     return LLM(
         model=settings["model"],
         dtype=settings["dtype"],
@@ -94,7 +102,7 @@ def main(argv: list[str]) -> int:
         "engine": "vllm",
         "version": vllm.__version__,
         "load_s": time.perf_counter() - t0,
-        "kv_blocks": cache.num_gpu_blocks,
+        "kv_blocks": cache.num_gpu_blocks - 1 if cache.num_gpu_blocks else None,  # usable
         "block_size": cache.block_size,
     }
     out.write(json.dumps(ready) + "\n")

@@ -175,6 +175,10 @@ def test_kv_capacity_matches_in_tokens(tmp_path: Path) -> None:
                 ours.num_hidden_layers, ours.num_key_value_heads, ours.head_dim, 16, torch_dtype
             )
             assert vllm_offline.kv_bytes_per_token(config, dtype) == layout.bytes_per_token
+            # vLLM's block pool keeps one null block out of use: it is given one more
+            assert vllm_offline.peer_kv_bytes(4096, 128, config, dtype) == (
+                (4096 + 128) * layout.bytes_per_token
+            )
 
 
 def test_vllm_round_result_reads_request_metrics() -> None:
