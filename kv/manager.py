@@ -205,61 +205,6 @@ class KVCacheManager:
             return []
         return self._append(rid, blocks, self.gpu_pool.allocate(num_new, tenant_of(request)))
 
-    def allocate_slots_batch(self, requests, num_new_tokens) -> list[list[int]] | None:
-        """`allocate_slots(request, n)` for each (request, n) pair, in order, in one call: all
-        of them, or None (nothing changed) if the pool is short of the total. Block ids come
-        out exactly as from one call per request."""
-        req_blocks, bs = self.req_blocks, self.block_size
-        needs = []
-        total = 0
-        for request, n in zip(requests, num_new_tokens):
-            blocks = req_blocks.get(request.request_id)
-            k = (request.num_computed_tokens + n + bs - 1) // bs - (len(blocks) if blocks else 0)
-            if k > 0:
-                total += k
-            needs.append(k)
-        if total > self.gpu_pool.free_queue.num_free:
-            return None
-        taken = self.gpu_pool.allocate(total)
-        if self.gpu_pool.reserves:
-            pos = 0
-            for request, k in zip(requests, needs):
-                if k > 0:
-                    self.gpu_pool.set_owner(taken[pos : pos + k], tenant_of(request))
-                    pos += k
-        out: list[list[int]] = []
-        pos = 0
-        for request, k in zip(requests, needs):
-            if k <= 0:
-                out.append([])
-                continue
-            rid = request.request_id
-            blocks = req_blocks.get(rid)
-            if blocks is None:
-                blocks = self._new_table(rid)
-            out.append(self._append(rid, blocks, taken[pos : pos + k]))
-            pos += k
-        return out
-
-    def append_blocks(self, requests) -> list[KVBlock]:
-        """One more block at the end of each request's table, in order, as far as the free
-        blocks go: for decodes that just filled their last block, so that their next step
-        needs no allocation. Returns the new blocks, one for each request served (a prefix of
-        `requests`; the rest got nothing)."""
-        pool = self.gpu_pool
-        n = min(len(requests), pool.free_queue.num_free)
-        if not n:
-            return []
-        req_blocks, req_block_ids = self.req_blocks, self.req_block_ids
-        new_blocks = pool.allocate(n)
-        for request, block in zip(requests, new_blocks):
-            if pool.reserves:
-                pool.set_owner([block], tenant_of(request))
-            rid = request.request_id
-            req_blocks[rid].append(block)
-            req_block_ids[rid].append(block.block_id)
-        return new_blocks
-
     def fork(self, parent, child, num_tokens: int) -> list[tuple[int, int]] | None:
         """Give `child` (no blocks yet) the parent's K/V of positions < `num_tokens`: the full
         blocks by reference (ref count + 1 each) and a partly filled last block as a copy in a

@@ -36,8 +36,6 @@ class SchedulerOutput:
     # ids this step evicted past their deadline (finish reason "timeout") -> (tenant, stage):
     # stage "queue" (before its first token) or "running"; also in finished_ids
     timed_out: dict[str, tuple[str, str]] = field(default_factory=dict)
-    # every running request is scheduled (the scheduler's bookkeeping for tenant charges)
-    all_running_scheduled: bool = False
 
     @property
     def is_empty(self) -> bool:

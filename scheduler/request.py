@@ -43,14 +43,10 @@ FINISH_REASONS = {
 class Request:
     """A request as the scheduler, the KV manager and the policies see it (no tensors)."""
 
-    # Slot order is memory layout: the fields a plain decode's update reads and writes come
-    # first, so that each running request costs one or two cache lines a step, not three.
     __slots__ = (
-        "plain_decode",
         "request_id",
         "num_computed_tokens",
         "all_token_ids",
-        "decode_event",
         "status",
         "max_num_tokens",
         "stop_token_ids",
@@ -132,12 +128,6 @@ class Request:
         self.deadline = deadline
         self.queue_deadline = queue_deadline
         self.seq = 0  # admission sequence number, set by the scheduler (FIFO tie-break)
-        # Scheduler-owned: running, and its next step is one token into a slot it already
-        # holds (see Scheduler._attention for the requests that are not)
-        self.plain_decode = False
-        # Scheduler-owned, while plain_decode: the num_computed_tokens at which the next look
-        # is due (its last block is full, or it reached its length limit)
-        self.decode_event = 0
 
     @property
     def num_tokens(self) -> int:

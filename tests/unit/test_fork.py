@@ -128,9 +128,9 @@ def test_a_sibling_added_after_the_parent_prefill_forks_at_once():
     step(sched, runner, got)
     sched.add_request(Request("b", prompt, 5), fork_of="a")
     assert sched.requests["b"].status == RequestStatus.RUNNING
-    assert sched.kv.block_ids("a") == [0, 1, 2]  # its first decode filled block 1
-    assert sched.kv.block_ids("b") == [0, 3]  # a copy of block 1: positions 4..5 are the prompt
-    assert step(sched, runner, got).copy_blocks == [(1, 3)]
+    assert sched.kv.block_ids("a") == [0, 1]  # its first decode filled block 1
+    assert sched.kv.block_ids("b") == [0, 2]  # a copy of block 1: positions 4..5 are the prompt
+    assert step(sched, runner, got).copy_blocks == [(1, 2)]
     got = run_to_end(sched, runner, got)
     assert got == {"a": reference(prompt, 5), "b": reference(prompt, 5)}
 

@@ -326,28 +326,6 @@ def test_registered_hashes_are_the_hash_block_chain(salt, intake):
     kv.check_integrity()
 
 
-def test_append_blocks_takes_the_head_in_order_evicts_and_serves_a_prefix_when_short():
-    kv = KVCacheManager(num_gpu_blocks=6, block_size=2)
-    a, b, c, d = (make_req(x, [1, 2]) for x in "abcd")
-    for r in (a, b, c):
-        assert kv.allocate_slots(r, 2) is not None  # blocks 0, 1, 2
-    h = hash_block(None, [1, 2], "a")
-    kv.gpu_pool.cache(kv.req_blocks["a"][0], h, [1, 2])
-    kv.free(a)  # block 0: cached, at the tail behind the never-used 3, 4, 5
-    assert kv.allocate_slots(d, 2) == [3]
-    assert [blk.block_id for blk in kv.append_blocks([b, c])] == [4, 5]
-    assert kv.block_ids("b") == [1, 4] and kv.block_ids("c") == [2, 5]
-    assert kv.gpu_pool.lookup(h, [1, 2]) is kv.gpu_pool.blocks[0]  # not taken yet
-    # one free block: d only, b and c get none
-    assert [blk.block_id for blk in kv.append_blocks([d, b, c])] == [0]
-    assert kv.block_ids("d") == [3, 0] and kv.block_ids("b") == [1, 4]
-    block = kv.gpu_pool.blocks[0]
-    assert block.ref_cnt == 1 and block.block_hash is None and block.token_bytes is None
-    assert kv.gpu_pool.lookup(h, [1, 2]) is None  # reused for other tokens: not findable
-    assert kv.append_blocks([b]) == [] and kv.block_ids("b") == [1, 4]
-    kv.check_integrity()
-
-
 def test_hash_block_rejects_token_ids_outside_uint32_clearly():
     assert hash_block(None, [0, 2**32 - 1], "s") != hash_block(None, [0, 2**32 - 2], "s")
     for bad in ([-1, 2], [2**32, 2], [1.5, 2]):

@@ -12,6 +12,7 @@ from fairbatch.kv.manager import KVCacheManager
 from fairbatch.policies import TenantSpec, make_policy
 from fairbatch.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
 from fairbatch.scheduler.fake_runner import FakeRunner, next_token
+from fairbatch.scheduler.preemption import preemption_mode
 
 VOCAB = 1000
 
@@ -83,17 +84,17 @@ def test_exact_blocks_and_chunks_for_two_requests():
     assert sched.kv.all_free()
 
 
-def test_a_decode_that_fills_its_block_takes_the_next_one_as_the_step_ends():
+def test_a_decode_takes_its_next_block_in_the_step_that_writes_it_first():
     sched = make_sched(num_blocks=3, block_size=4, max_num_batched_tokens=16)
     runner = FakeRunner(VOCAB)
     sched.add_request(Request("a", [1, 2, 3], max_tokens=6))
     out, _ = step(sched, runner)  # the prompt: 3 tokens in block 0, one token sampled
     assert out.new_block_ids == {"a": [0]}
-    out, _ = step(sched, runner)  # the decode fills block 0; block 1 is taken as it ends
+    out, _ = step(sched, runner)  # the decode fills block 0
     assert out.new_block_ids == {}
-    assert sched.kv.block_ids("a") == [0, 1]
+    assert sched.kv.block_ids("a") == [0]
     sched.check_integrity()
-    out, _ = step(sched, runner)  # reported in the output of the step that writes it first
+    out, _ = step(sched, runner)  # the next token starts block 1
     assert out.new_block_ids == {"a": [1]}
     run_to_end(sched, runner)
     assert sched.kv.all_free()
@@ -144,9 +145,9 @@ def test_prefix_cache_hit_skips_computed_tokens():
     assert out.block_tables["b"][:2] == [0, 1]
 
 
-def test_blocks_filled_by_decodes_are_cached_when_the_request_frees_them():
-    """Prompt blocks enter the prefix cache as they are computed; blocks that decodes fill are
-    registered when the request frees its blocks (one call then, not one per block)."""
+def test_blocks_enter_the_prefix_cache_as_they_fill():
+    """Prompt blocks and blocks that decodes fill enter the prefix cache as soon as they are
+    full and computed; a later request with that history hits all of them."""
     sched = make_sched(num_blocks=16, block_size=4)
     runner = FakeRunner(VOCAB)
     prompt = list(range(100, 106))  # 1 full prompt block + 2 tokens
@@ -156,9 +157,9 @@ def test_blocks_filled_by_decodes_are_cached_when_the_request_frees_them():
     for _ in range(4):  # decodes fill block 1 (positions 4-7) and start block 2
         got += [t for u in step(sched, runner)[1] for t in u.new_token_ids]
     assert sched.requests["a"].num_computed_tokens == 10
-    assert len(sched.kv.gpu_pool.cached) == 1  # block 1 is full but not registered yet
+    assert len(sched.kv.gpu_pool.cached) == 2  # block 1, filled by decodes, right after
     got += run_to_end(sched, runner)["a"]
-    assert len(sched.kv.gpu_pool.cached) == 3  # 14 computed tokens: blocks 0-2 at the free
+    assert len(sched.kv.gpu_pool.cached) == 3  # 14 computed tokens: blocks 0-2
     history = prompt + got
     assert got == reference_tokens(prompt, 9)
     hits_before = sched.num_prefix_hit_tokens
@@ -212,22 +213,23 @@ def test_swapped_requests_come_back_in_policy_order_before_admissions():
     got: dict[str, list[int]] = {}
     for rid in "abc":
         sched.add_request(Request(rid, prompts[rid], max_tokens=8))
-    _, up = step(sched, runner)  # each fills its prompt block and takes the next at once
+    _, up = step(sched, runner)  # each fills its prompt block
     for u in up:
         got.setdefault(u.request_id, []).extend(u.new_token_ids)
-    assert sched.kv.req_block_ids == {"a": [0, 3], "b": [1, 4], "c": [2, 5]}
-    assert sched.preempt("b", "swap").swap_out == [(1, 0), (4, 1)]
-    assert sched.preempt("a", "swap").swap_out == [(0, 2), (3, 3)]
+    assert sched.kv.req_block_ids == {"a": [0], "b": [1], "c": [2]}
+    assert sched.preempt("b", "swap").swap_out == [(1, 0)]
+    assert sched.preempt("a", "swap").swap_out == [(0, 1)]
     assert [r.request_id for r in sched.swapped] == ["b", "a"]  # swapped in the other order
     sched.add_request(Request("d", prompts["d"], max_tokens=8))
     out, up = step(sched, runner)
     for u in up:
         got.setdefault(u.request_id, []).extend(u.new_token_ids)
     # fcfs order (a before b), both before the new arrival; GPU blocks from the free list's
-    # head (6..15 never used, then the blocks b and a gave back)
+    # head (3..15 never used, then the blocks b and a gave back), each decode's next block
+    # taken as it is scheduled
     assert [r.request_id for r in out.scheduled] == ["c", "a", "b", "d"]
-    assert out.swap_in == [(2, 6), (3, 7), (0, 8), (1, 9)]
-    assert sched.kv.req_block_ids == {"c": [2, 5], "a": [6, 7], "b": [8, 9], "d": [10, 11]}
+    assert out.swap_in == [(1, 4), (0, 6)]
+    assert sched.kv.req_block_ids == {"c": [2, 3], "a": [4, 5], "b": [6, 7], "d": [8]}
     for rid, tokens in run_to_end(sched, runner).items():
         got.setdefault(rid, []).extend(tokens)
     assert got == {rid: reference_tokens(p, 8) for rid, p in prompts.items()}
@@ -283,7 +285,7 @@ def test_forced_swap_falls_back_to_recompute_without_cpu_space():
     r = Request("r", [1] * 8, max_tokens=4)
     s.add_request(r)
     step(s, FakeRunner(VOCAB))
-    assert len(s.kv.block_ids("r")) == 3 and s._preemption_mode(r) == "recompute"
+    assert len(s.kv.block_ids("r")) == 2 and preemption_mode(s.config, s.kv, r) == "recompute"
 
 
 def test_preempt_hook_refuses_a_swap_without_cpu_space_and_changes_nothing():
@@ -325,12 +327,12 @@ def test_auto_mode_prefers_recompute_for_short_and_swap_for_long():
     r = Request("r", [1] * 8, max_tokens=4)
     s1.add_request(r)
     step(s1, FakeRunner(VOCAB))
-    assert s1._preemption_mode(r) == "recompute"
+    assert preemption_mode(s1.config, s1.kv, r) == "recompute"
     s2 = make_sched(cpu_blocks=8, swap_bandwidth=1e12, prefill_tokens_per_s=10)
     r2 = Request("r", [1] * 8, max_tokens=4)
     s2.add_request(r2)
     step(s2, FakeRunner(VOCAB))
-    assert s2._preemption_mode(r2) == "swap"
+    assert preemption_mode(s2.config, s2.kv, r2) == "swap"
 
 
 def test_priority_arrival_runs_next_step_when_seats_full():
@@ -347,69 +349,6 @@ def test_priority_arrival_runs_next_step_when_seats_full():
     first = [t for u in updates if u.request_id == "high" for t in u.new_token_ids]
     got = run_to_end(sched, runner)
     assert first + got["high"] == reference_tokens([4, 5], 3)
-
-
-@pytest.mark.parametrize("seats", [2, 4])
-def test_urgent_alone_runs_a_higher_class_prefill_in_a_step_of_its_own(seats):
-    """With `urgent_alone`, the step that admits requests of a class above every running one
-    schedules only that class's prefills (taking seats from a lower class if none are free);
-    the running requests skip that one step and are not charged for it, a waiting request of
-    a lower class starts in the next step, and every request's tokens are the reference's."""
-    sched = make_sched(
-        num_blocks=64, policy="priority", tenants=(TenantSpec("a"), TenantSpec("b")),
-        max_num_seqs=seats,
-    )  # fmt: skip
-    sched.urgent_alone = True
-    runner = FakeRunner(VOCAB)
-    prompts = {"low0": [1, 2, 3], "low1": [1, 2, 4], "high": [4, 5, 6, 7, 8], "high2": [4, 5]}
-    prompts["mid"] = [9, 9]
-    for rid in ("low0", "low1"):
-        sched.add_request(Request(rid, prompts[rid], max_tokens=6, tenant="a"))
-    _, updates = step(sched, runner)
-    got = {u.request_id: list(u.new_token_ids) for u in updates}
-    for rid, prio in (("high", 5), ("mid", 3), ("high2", 5)):
-        sched.add_request(Request(rid, prompts[rid], max_tokens=3, tenant="b", priority=prio))
-    charged = sched.policy.tokens()["a"]
-    out, updates = step(sched, runner)
-    assert out.num_scheduled_tokens == {"high": 5, "high2": 2}
-    assert out.preempted_recompute == (["low1", "low0"] if seats == 2 else [])
-    assert sched.policy.tokens()["a"] == charged  # the lows computed nothing, paid nothing
-    for u in updates:
-        got.setdefault(u.request_id, []).extend(u.new_token_ids)
-    out, updates = step(sched, runner)  # an ordinary step again: all that has a seat runs
-    assert set(out.num_scheduled_tokens) == (
-        {"high", "high2"} if seats == 2 else {"low0", "low1", "high", "high2", "mid"}
-    ) - set(out.preempted_recompute)
-    assert "mid" in out.num_scheduled_tokens or seats == 2
-    for u in updates:
-        got.setdefault(u.request_id, []).extend(u.new_token_ids)
-    for rid, tokens in run_to_end(sched, runner).items():
-        got.setdefault(rid, []).extend(tokens)
-    # (a request preempted for recompute starts over: its tokens come again, the same)
-    for rid, prompt in prompts.items():
-        n = 6 if rid.startswith("low") else 3
-        assert got[rid][-n:] == reference_tokens(prompt, n), rid
-    assert sched.kv.all_free()
-
-
-def test_urgent_alone_falls_back_to_an_ordinary_step_when_the_class_cannot_start():
-    """A higher class that cannot start (no seat, and a policy that does not preempt for one)
-    leaves the step to the running requests, not an empty step; so with blocks too few."""
-    sched = make_sched(num_blocks=16, policy="fcfs", max_num_seqs=1)
-    sched.urgent_alone = True
-    runner = FakeRunner(VOCAB)
-    sched.add_request(Request("low", [1, 2], max_tokens=4))
-    step(sched, runner)
-    sched.add_request(Request("high", [2, 3], max_tokens=2, priority=5))
-    out, _ = step(sched, runner)
-    assert list(out.num_scheduled_tokens) == ["low"]
-    sched = make_sched(num_blocks=3, block_size=4, policy="fcfs", max_num_seqs=2)
-    sched.urgent_alone = True
-    sched.add_request(Request("low", [1] * 7, max_tokens=4))
-    step(sched, runner)
-    sched.add_request(Request("high", [2] * 5, max_tokens=2, priority=5))
-    out, _ = step(sched, runner)
-    assert list(out.num_scheduled_tokens) == ["low"]
 
 
 def test_equal_priority_does_not_preempt():
@@ -530,9 +469,8 @@ ops = st.lists(
     budget=st.integers(1, 24),
     seats=st.integers(1, 6),
     caching=st.booleans(),
-    alone=st.booleans(),
 )
-def test_random_operations_keep_invariants(ops, policy, mode, budget, seats, caching, alone):
+def test_random_operations_keep_invariants(ops, policy, mode, budget, seats, caching):
     sched = make_sched(
         num_blocks=10,
         block_size=4,
@@ -544,7 +482,6 @@ def test_random_operations_keep_invariants(ops, policy, mode, budget, seats, cac
         max_num_seqs=seats,
         max_model_len=40,
     )
-    sched.urgent_alone = alone
     runner = FakeRunner(VOCAB)
     expected: dict[str, tuple[list[int], int]] = {}
     aborted: set[str] = set()
@@ -627,27 +564,6 @@ def preempt_or_refuse(sched: Scheduler, rid: str, mode: str):
     return sched.preempt(rid, mode)
 
 
-def _in_order_only(sched: Scheduler) -> Scheduler:
-    """The same scheduler without its all-running shortcut: every step walks `running`."""
-    sched._schedule_all_running = lambda out, budget: False
-    return sched
-
-
-def _output_fields(out) -> tuple:
-    return (
-        [r.request_id for r in out.scheduled],
-        list(out.num_scheduled_tokens.items()),  # order too: it is the batch order
-        out.total_num_scheduled_tokens,
-        out.new_block_ids,
-        out.swap_in,
-        out.swap_out,
-        out.preempted_swap,
-        out.preempted_recompute,
-        out.finished_ids,
-        out.all_running_scheduled,
-    )
-
-
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     ops=st.lists(
@@ -677,26 +593,23 @@ def _output_fields(out) -> tuple:
     num_blocks=st.integers(6, 40),
     caching=st.booleans(),
 )
-def test_all_running_shortcut_equals_the_in_order_walk(
+def test_random_steps_charge_exactly_the_tokens_delivered(
     ops, policy, budget, seats, num_blocks, caching
 ):
-    """Every output and update of a scheduler that takes the shortcut when all running
-    requests fit equals those of one that always walks `running` in order."""
-
-    def build() -> Scheduler:
-        return make_sched(
-            num_blocks=num_blocks,
-            block_size=4,
-            cpu_blocks=8,
-            policy=policy,
-            caching=caching,
-            max_num_batched_tokens=budget,
-            max_num_seqs=seats,
-            max_model_len=min(60, num_blocks * 4),
-        )
-
-    fast, slow = build(), _in_order_only(build())
-    runners = FakeRunner(VOCAB), FakeRunner(VOCAB)
+    """Over random adds, steps, aborts (also between a step's schedule and its update) and
+    preemptions, every tenant is charged exactly the decode tokens its requests were handed:
+    not a request aborted mid-step, a prefill chunk, nor a request left out of a step."""
+    sched = make_sched(
+        num_blocks=num_blocks,
+        block_size=4,
+        cpu_blocks=8,
+        policy=policy,
+        caching=caching,
+        max_num_batched_tokens=budget,
+        max_num_seqs=seats,
+        max_model_len=min(60, num_blocks * 4),
+    )
+    runner = FakeRunner(VOCAB)
     delivered: Counter[str] = Counter()  # tokens the updates handed out per tenant
     tenant_of: dict[str, str] = {}
     n = 0
@@ -705,42 +618,25 @@ def test_all_running_shortcut_equals_the_in_order_walk(
             _, plen, max_tokens, tenant, prio = op
             prompt = [(n * 7 + j) % 50 for j in range(plen)]
             tenant_of[f"r{n}"] = f"t{tenant}"
-            for sched in (fast, slow):
-                if plen < sched.max_model_len:
-                    sched.add_request(
-                        Request(
-                            f"r{n}", list(prompt), max_tokens, tenant=f"t{tenant}", priority=prio
-                        )
-                    )
+            if plen < sched.max_model_len:
+                sched.add_request(
+                    Request(f"r{n}", prompt, max_tokens, tenant=f"t{tenant}", priority=prio)
+                )
             n += 1
         elif op[0] in ("step", "abort_mid_step"):
-            outs = [sched.schedule() for sched in (fast, slow)]
-            assert _output_fields(outs[0]) == _output_fields(outs[1])
-            if op[0] == "abort_mid_step" and fast.running:  # between schedule and update
-                rid = fast.running[op[1] % len(fast.running)].request_id
-                assert fast.abort(rid) and slow.abort(rid)
-            ups = [
-                sched.update_from_output(out, runner.execute(out))
-                for sched, out, runner in zip((fast, slow), outs, runners)
-            ]
-            assert (ups[0].new_tokens, ups[0].finished) == (ups[1].new_tokens, ups[1].finished)
-            delivered.update(tenant_of[rid] for rid in ups[0].new_tokens)
+            out = sched.schedule()
+            if op[0] == "abort_mid_step" and sched.running:  # between schedule and update
+                assert sched.abort(sched.running[op[1] % len(sched.running)].request_id)
+            updates = sched.update_from_output(out, runner.execute(out))
+            delivered.update(tenant_of[rid] for rid in updates.new_tokens)
         elif op[0] == "abort":
-            assert fast.abort(f"r{op[1]}") == slow.abort(f"r{op[1]}")
+            sched.abort(f"r{op[1]}")
         else:
-            outs = [preempt_or_refuse(sched, f"r{op[1]}", op[2]) for sched in (fast, slow)]
-            assert (outs[0] is None) == (outs[1] is None)
-            if outs[0] is not None:
-                assert _output_fields(outs[0]) == _output_fields(outs[1])
-        for sched in (fast, slow):
-            sched.check_integrity()
-        assert fast.policy.counters() == slow.policy.counters()
-    assert not fast.has_unfinished and not slow.has_unfinished
-    # every token delivered is charged, and nothing else (a request aborted mid-step, a prefill
-    # chunk, a request left out of a step are not)
-    for sched in (fast, slow):
-        charged = {t: d for t, (_, d) in sched.policy.tokens().items() if d}
-        assert charged == delivered
+            preempt_or_refuse(sched, f"r{op[1]}", op[2])
+        sched.check_integrity()
+    assert not sched.has_unfinished and sched.kv.all_free()
+    charged = {t: d for t, (_, d) in sched.policy.tokens().items() if d}
+    assert charged == delivered
 
 
 def _service_run(policy: str, steps: int, weights=(3.0, 1.0), arrivals=(1, 1)):
