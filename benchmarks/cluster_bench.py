@@ -126,9 +126,9 @@ def run_one(num_replicas: int, system: str, wl: Workload) -> dict:
 
 
 def ray_admissions(num_replicas: int = 4, sizes: tuple[int, ...] = (1000, 4000)) -> list[dict]:
-    """The same controller as a Ray actor: admissions/s through one `admit` call per request
-    and through batches (`submit_many` + the `assignments` stream), with sim replicas that have
-    room for every request (no streams are opened: this is the control plane alone)."""
+    """The same controller as a Ray actor: admissions/s through batches (`submit_many` + the
+    `assignments` stream), with sim replicas that have room for every request (no streams are
+    opened: this is the control plane alone)."""
     import asyncio
     import os
     import tempfile
@@ -137,7 +137,7 @@ def ray_admissions(num_replicas: int = 4, sizes: tuple[int, ...] = (1000, 4000))
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     import ray
 
-    from fairbatch.deployments.cluster.client import AdmissionBatcher
+    from fairbatch.deployments.cluster.admission import AdmissionBatcher
     from fairbatch.deployments.cluster.launch import start_cluster
     from fairbatch.deployments.cluster.replica import ReplicaConfig
 
@@ -159,19 +159,14 @@ def ray_admissions(num_replicas: int = 4, sizes: tuple[int, ...] = (1000, 4000))
         cluster = start_cluster("bench", [cfg] * num_replicas)
         params = SamplingParams(max_tokens=1, ignore_eos=True)
 
-        async def run(n: int, batched: bool) -> dict:
-            metas = [
-                RequestMeta(f"{batched}-{n}-{i}", [1] * 16, params, "ab"[i % 2]) for i in range(n)
-            ]
+        async def run(n: int) -> dict:
+            metas = [RequestMeta(f"{n}-{i}", [1] * 16, params, "ab"[i % 2]) for i in range(n)]
             lat: list[float] = []
-            batcher = AdmissionBatcher(lambda: cluster.controller) if batched else None
+            batcher = AdmissionBatcher(lambda: cluster.controller)
 
             async def one(meta: RequestMeta) -> None:
                 t0 = time.perf_counter()
-                if batcher is not None:
-                    await batcher.admit(meta, 120.0)
-                else:
-                    await cluster.controller.admit.remote(meta)
+                await batcher.admit(meta, 120.0)
                 lat.append(time.perf_counter() - t0)
 
             t0 = time.perf_counter()
@@ -179,7 +174,7 @@ def ray_admissions(num_replicas: int = 4, sizes: tuple[int, ...] = (1000, 4000))
             wall = time.perf_counter() - t0
             return {
                 "replicas": num_replicas,
-                "system": "fairbatch_ray_batched" if batched else "fairbatch_ray_admit",
+                "system": "fairbatch_ray_batched",
                 "admissions": n,
                 "admissions_per_s": n / wall,
                 "admit_latency_ms_p50": 1e3 * pct(lat, 50),
@@ -187,16 +182,15 @@ def ray_admissions(num_replicas: int = 4, sizes: tuple[int, ...] = (1000, 4000))
                 "note": f"{n} requests submitted at once; latency includes waiting behind them",
             }
 
-        for batched in (False, True):
-            for n in sizes:
-                rows.append(asyncio.run(run(n, batched)))
-                r = rows[-1]
-                print(
-                    f"ray N={num_replicas} {r['system']:22s} n={n:5d} "
-                    f"adm/s={r['admissions_per_s']:7.0f} p50={r['admit_latency_ms_p50']:.1f}ms "
-                    f"p99={r['admit_latency_ms_p99']:.1f}ms",
-                    flush=True,
-                )
+        for n in sizes:
+            rows.append(asyncio.run(run(n)))
+            r = rows[-1]
+            print(
+                f"ray N={num_replicas} {r['system']:22s} n={n:5d} "
+                f"adm/s={r['admissions_per_s']:7.0f} p50={r['admit_latency_ms_p50']:.1f}ms "
+                f"p99={r['admit_latency_ms_p99']:.1f}ms",
+                flush=True,
+            )
         cluster.shutdown()
     finally:
         ray.shutdown()

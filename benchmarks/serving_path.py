@@ -9,8 +9,7 @@ The same requests (token-id prompts, greedy, `ignore_eos`, a fixed number of str
     HTTP client;
   * `serve_http@<ms>`: the Ray Serve app (`build_app`: ingress + controller + replica actors)
     as `fairbatch serve` runs it (Serve's direct ingress; `--proxy`: behind Serve's HTTP proxy),
-    once per stream interval (`--intervals`, default 50 and 0) and channel transport
-    (`--channels`, default socket; a `ray` row is named `serve_http@50ms/ray`);
+    once per stream interval (`--intervals`, default 50 and 0);
   * `handle@<ms>`: the same app through its handle API (`generate`, streamed) from this driver.
 
 `--sim-time-scale S` (S > 0) puts simulated replicas paced like a GPU (`model: sim`, `engine:
@@ -18,8 +17,10 @@ The same requests (token-id prompts, greedy, `ignore_eos`, a fixed number of str
 to no CPU, as on a GPU node, so what the Serve paths lose is replica time the plane leaves
 idle. `offline` is then one such engine (the seats of one replica, its share of the requests)
 stepped back to back in this process, its rate times the replicas: what the replicas would
-deliver with nothing between them and the client. `engines` and `local_http` run the tiny model
-only.
+deliver with nothing between them and the client. `--model DIR` puts a Hugging Face checkpoint
+in place of the tiny model in `offline` and the Serve paths (its tokenizer must cover the tiny
+tokenizer's ids: the prompts are token ids drawn from them). `engines` and `local_http` run the
+tiny model only.
 
 For each: output tokens/s and its ratio to offline; TTFT, TPOT and ITL p50/p99 (ITL: the gaps
 between the chunks a client receives, so coalescing lengthens it while TPOT stays); and the CPU
@@ -277,12 +278,14 @@ def measure(label: str, fn, wl: dict, roles: dict[int, str] | None = None) -> di
     return row
 
 
-def _tiny_engine(seats: int, wl: dict, warm_on: list[list[int]]) -> tuple[Any, Any]:
-    """The tiny model with `seats` seats, warmed up on a few prompts, and the workload's
-    sampling parameters (greedy, `output_len` tokens, `ignore_eos`)."""
+def _tiny_engine(
+    seats: int, wl: dict, warm_on: list[list[int]], model: str = "tiny"
+) -> tuple[Any, Any]:
+    """The tiny model (or `model`) with `seats` seats, warmed up on a few prompts, and the
+    workload's sampling parameters (greedy, `output_len` tokens, `ignore_eos`)."""
     from fairbatch.engine import LLM, SamplingParams
 
-    llm = LLM("tiny", max_num_seqs=seats, num_gpu_blocks=wl["num_gpu_blocks"])
+    llm = LLM(model, max_num_seqs=seats, num_gpu_blocks=wl["num_gpu_blocks"])
     warm = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     llm.generate(warm_on[:WARMUP_REQUESTS], warm, use_tqdm=False)
     params = SamplingParams(max_tokens=wl["output_len"], temperature=0.0, ignore_eos=True)
@@ -290,7 +293,7 @@ def _tiny_engine(seats: int, wl: dict, warm_on: list[list[int]]) -> tuple[Any, A
 
 
 def offline_run(ids: list[list[int]], wl: dict, seats: int) -> dict:
-    llm, params = _tiny_engine(seats, wl, ids)
+    llm, params = _tiny_engine(seats, wl, ids, wl["model"])
 
     def go():
         t0 = time.perf_counter()
@@ -396,7 +399,7 @@ def engines_run(ids: list[list[int]], wl: dict) -> dict:
 def sim_offline_run(ids: list[list[int]], wl: dict) -> dict:
     """One paced simulated engine with one replica's seats and its share of the requests,
     stepped back to back; the row's rate is that times the replicas (independent GPUs)."""
-    from fairbatch.deployments.cluster.replica import ReplicaConfig, build_core, pace_step
+    from fairbatch.deployments.cluster.replica_config import ReplicaConfig, build_core, pace_step
     from fairbatch.engine import SamplingParams
     from fairbatch.engine.tokenizer import Tokenizer
 
@@ -477,33 +480,33 @@ def _serve_paths(loop: _Loop, ids: list[list[int]], wl: dict, paths: list[str], 
     n_out = wl["output_len"]
     proxy_port = port if wl["proxy"] else _free_port()  # the idle proxy gets a spare one
     serve.start(http_options={"host": "127.0.0.1", "port": proxy_port})
+    model_dir = wl["model"] not in ("tiny", "sim")
     for interval in wl["intervals"]:
-        for channel in wl["channels"]:
-            engine: dict[str, Any] = {
-                "max_num_seqs": wl["seats"],
-                "num_gpu_blocks": wl["num_gpu_blocks"],
-            }
-            if wl["model"] == "sim":
-                engine["time_scale"] = wl["time_scale"]
-            args = {
-                "model": wl["model"],
-                "num_replicas": wl["replicas"],
-                "engine": engine,
-                "stream_interval_ms": interval,
-                "channel_transport": channel,
-            }
-            handle = serve.run(build_app(args), name=APP_NAME, route_prefix="/")
-            url = ingress_url(APP_NAME, f"http://127.0.0.1:{proxy_port}")
-            model = f"fairbatch-{wl['model']}"
-            suffix = "" if channel == "socket" else f"/{channel}"
-            if "serve_http" in paths:
-                loop.run(http_run(url, model, ids[:WARMUP_REQUESTS], wl, 8))
-                run = functools.partial(loop.run, http_run(url, model, ids, wl, n_out))
-                rows.append(measure(f"serve_http@{interval:g}ms{suffix}", run, wl))
-            if "handle" in paths:
-                loop.run(handle_run(handle, ids[:WARMUP_REQUESTS], wl, 8))
-                run = functools.partial(loop.run, handle_run(handle, ids, wl, n_out))
-                rows.append(measure(f"handle@{interval:g}ms{suffix}", run, wl))
+        engine: dict[str, Any] = {
+            "max_num_seqs": wl["seats"],
+            "num_gpu_blocks": wl["num_gpu_blocks"],
+        }
+        if wl["model"] == "sim":
+            engine["time_scale"] = wl["time_scale"]
+        args = {
+            "model": wl["model"],
+            "num_replicas": wl["replicas"],
+            "engine": engine,
+            "stream_interval_ms": interval,
+        }
+        if model_dir:
+            args["served_model_name"] = "bench"
+        handle = serve.run(build_app(args), name=APP_NAME, route_prefix="/")
+        url = ingress_url(APP_NAME, f"http://127.0.0.1:{proxy_port}")
+        model = "bench" if model_dir else f"fairbatch-{wl['model']}"
+        if "serve_http" in paths:
+            loop.run(http_run(url, model, ids[:WARMUP_REQUESTS], wl, 8))
+            run = functools.partial(loop.run, http_run(url, model, ids, wl, n_out))
+            rows.append(measure(f"serve_http@{interval:g}ms", run, wl))
+        if "handle" in paths:
+            loop.run(handle_run(handle, ids[:WARMUP_REQUESTS], wl, 8))
+            run = functools.partial(loop.run, handle_run(handle, ids, wl, n_out))
+            rows.append(measure(f"handle@{interval:g}ms", run, wl))
     return rows
 
 
@@ -554,8 +557,13 @@ def workload(args: argparse.Namespace) -> dict:
     time_scale = getattr(args, "sim_time_scale", 0.0) or 0.0
     if time_scale < 0:
         raise SystemExit(f"--sim-time-scale must be >= 0, got {time_scale}")
+    model = getattr(args, "model", None) or "tiny"
+    if model != "tiny" and not os.path.isdir(model):
+        raise SystemExit(f"--model {model!r}: --compare serving-path takes a model directory")
+    if time_scale > 0 and model != "tiny":
+        raise SystemExit("--sim-time-scale replaces the model: not with --model")
     return {
-        "model": "sim" if time_scale > 0 else "tiny",
+        "model": "sim" if time_scale > 0 else model,
         "time_scale": time_scale,
         "num_requests": args.num_prompts or 128,
         "prompt_len": fixed(args.input_len, 64),
@@ -565,21 +573,12 @@ def workload(args: argparse.Namespace) -> dict:
         "seats": args.max_num_seqs,
         "num_gpu_blocks": args.num_gpu_blocks or 1024,
         "intervals": [float(x) for x in args.intervals.split(",")],
-        "channels": _channels(getattr(args, "channels", "socket")),
         "proxy": bool(getattr(args, "proxy", False)),  # Serve's HTTP proxy, not direct ingress
         "greedy": True,
         "ignore_eos": True,
         "prompt": "token ids",
         "rounds": getattr(args, "rounds", 1),  # all paths again each round; medians reported
     }
-
-
-def _channels(spec: str) -> list[str]:
-    channels = [c.strip() for c in spec.split(",") if c.strip()]
-    bad = [c for c in channels if c not in ("socket", "ray")]
-    if bad or not channels:
-        raise SystemExit(f"--channels {spec!r}: a comma-separated list of socket, ray")
-    return channels
 
 
 def summarize(rounds: list[list[dict]]) -> list[dict]:
@@ -677,9 +676,9 @@ def choose_paths(chosen: str | None, wl: dict) -> list[str]:
     if unknown:
         raise SystemExit(f"--paths: unknown {', '.join(unknown)}; known: {', '.join(PATHS)}")
     for tiny_only in ("engines", "local_http"):
-        if wl["model"] == "sim" and tiny_only in paths:
+        if wl["model"] != "tiny" and tiny_only in paths:
             if chosen:
-                why = "runs the tiny model only, not --sim-time-scale"
+                why = "runs the tiny model only, not --sim-time-scale or --model"
                 raise SystemExit(f"--paths {tiny_only} {why}")
             paths.remove(tiny_only)
     return paths

@@ -165,7 +165,11 @@ def _add_bench_serve(bench_sub: argparse._SubParsersAction) -> None:
     )
     g = srv.add_argument_group("target")
     g.add_argument("--url", help="base URL of a running server (default: start a local one)")
-    g.add_argument("--model", help="model id to request (default: the server's first model)")
+    g.add_argument(
+        "--model",
+        help="model id to request (default: the server's first model); serving-path: a model "
+        "directory to run in place of the tiny model",
+    )
     g.add_argument("--api-key", help="bearer key for every tenant (peers, single-tenant runs)")
     g.add_argument("--keys", help="JSON or YAML file mapping tenant name -> API key")
     g.add_argument("--admin-key", help="admin key to read /admin/stats (fairbatch)")
@@ -278,12 +282,6 @@ def _add_bench_serve(bench_sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="serving-path: Serve's HTTP proxy in front of the app (default: direct ingress, "
         "as fairbatch serve runs it)",
-    )
-    g.add_argument(
-        "--channels",
-        default="socket",
-        help="serving-path: the app's channel_transport values to run the Serve paths with "
-        "(socket, ray; default socket): rows of ray are named PATH@MS/ray",
     )
     g.add_argument(
         "--paths",

@@ -90,6 +90,42 @@ class EngineCore:
         i with `params.for_sample(i)` and, for i >= 1, `fork_of` = sample 0's id: the siblings
         then share sample 0's prompt blocks (one prefill; see Scheduler.add_request).
         `deadlines`: (total, queue) as absolute wall-clock times, see `_deadlines`."""
+        request = self.make_request(
+            prompt,
+            params,
+            request_id=request_id,
+            tenant=tenant,
+            priority=priority,
+            arrival_time=arrival_time,
+            cache_salt=cache_salt,
+            deadlines=deadlines,
+        )
+        params = request.sampling_params
+        # raises on duplicates / prompts over the limit
+        if params.structured_output is not None:  # waits here while its grammar compiles
+            admit = functools.partial(self.scheduler.add_request, request, fork_of=fork_of)
+            self._structured().submit(request, admit, after=fork_of)
+        else:
+            self.scheduler.add_request(request, fork_of=fork_of)
+        self._attach_detokenizer(request)
+        self._first[request.request_id] = request
+        return request
+
+    def make_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        tenant: str = "default",
+        priority: int = 0,
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+        deadlines: tuple[float | None, float | None] | None = None,
+    ) -> Request:
+        """The `Request` that `add_request` adds, checked and built but not added: also what
+        a request resumed elsewhere with its output so far is rebuilt from (then given to
+        `import_request`)."""
         params = params or SamplingParams()
         if params.n != 1:
             raise ValueError(
@@ -134,14 +170,6 @@ class EngineCore:
         request.deadline, request.queue_deadline = self._deadlines(params, deadlines)
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = PromptLogprobs(len(prompt_ids), params.prompt_logprobs)
-        # raises on duplicates / prompts over the limit
-        if params.structured_output is not None:  # waits here while its grammar compiles
-            admit = functools.partial(self.scheduler.add_request, request, fork_of=fork_of)
-            self._structured().submit(request, admit, after=fork_of)
-        else:
-            self.scheduler.add_request(request, fork_of=fork_of)
-        self._attach_detokenizer(request)
-        self._first[request.request_id] = request
         return request
 
     def _deadlines(

@@ -2,25 +2,17 @@
 caller, a driver): one long-lived channel per (replica, consumer), one message per engine step.
 
 Replica side, `Outbox`: every step's deltas of one consumer's requests are appended to its
-outbox; the consumer's `Replica.channel` stream takes everything there at once, so a message
-carries one step's deltas of all of that consumer's requests (more when the consumer reads
-slower than the engine steps: batches grow, messages do not). The outbox is bounded: past
-`limit` unread items the consumer is too slow, and its requests are aborted with an error
-rather than grow the replica's memory.
+outbox; the consumer's `Replica.channel` stream (a Ray streaming generator) takes everything
+there at once, so a message carries one step's deltas of all of that consumer's requests (more
+when the consumer reads slower than the engine steps: batches grow, messages do not). The
+outbox is bounded: past `limit` unread items the consumer is too slow, and its requests are
+aborted with an error rather than grow the replica's memory.
 
-The channel is a TCP socket of its own by default (`socket_channel.py`: about half the
-ingress's CPU per token that a Ray stream costs); a Ray streaming generator (`Replica.channel`)
-where `transport` is "ray", or where the socket cannot be reached (a firewall between nodes).
-
-Consumer side, `ReplicaLink`: reads the channel and fans each item out to its request's queue;
-when the controller does not submit this process's requests for it, submits them in batches
-(one actor call per event-loop turn, not per request). A broken channel (the replica died)
-puts `LinkLost` into every queue, so each request resubmits elsewhere. A request the controller
-submitted for this process (see `RequestMeta.consumer`) can send items before the process has
-heard where it runs: items of an `expected` request with no queue yet wait for its `open`.
-
-Before this, every token crossed Ray as a streaming item of its own per request: on a 2-core
-machine the two hops cost about as much CPU as the model's forward pass.
+Consumer side, `ReplicaLink`: reads the channel and fans each item out to its request's queue.
+The controller submits the requests to the replica for their consumer (`RequestMeta.consumer`),
+so items can arrive before the consumer has heard where its request runs: items of an
+`expected` request with no queue yet wait for its `open`. A broken channel (the replica died)
+puts `LinkLost` into every queue, so each request resubmits elsewhere.
 """
 
 from __future__ import annotations
@@ -34,21 +26,12 @@ import ray
 from ray.exceptions import RayActorError
 
 from fairbatch.deployments.cluster import trace
-from fairbatch.deployments.cluster.socket_channel import CONNECT_TIMEOUT_S, connect, read_messages
-from fairbatch.deployments.cluster.wire import RequestMeta
 
 log = logging.getLogger(__name__)
 
 # Messages a channel may have in flight that the consumer has not read (Ray's generator
 # backpressure): past that the replica's stream waits, and deltas gather in the outbox.
 CHANNEL_BACKPRESSURE = 8
-TRANSPORTS = ("socket", "ray")
-
-
-def check_transport(transport: str) -> str:
-    if transport not in TRANSPORTS:
-        raise ValueError(f"channel transport {transport!r}: expected one of {TRANSPORTS}")
-    return transport
 
 
 @dataclass(frozen=True)
@@ -80,6 +63,43 @@ def own_process() -> ActorOwner | DriverOwner | None:
     if ctx.worker.mode == ray.SCRIPT_MODE:
         return DriverOwner(ctx.get_job_id())
     return None
+
+
+async def owner_is_dead(owner: ActorOwner | DriverOwner, timeout_s: float) -> bool:
+    """True only when the GCS says the consumer's process is gone: its actor is DEAD (or no
+    longer listed: the GCS forgets dead actors past a count), or a driver's job is marked
+    dead. No answer in time, or any error, proves nothing: False."""
+    from ray.core.generated.gcs_pb2 import ActorTableData
+
+    try:
+        gcs = ray._private.worker.global_worker.gcs_client  # (these tables have no public API)
+        if isinstance(owner, ActorOwner):
+            actors = await asyncio.wait_for(
+                gcs.async_get_all_actor_info(
+                    actor_id=ray.ActorID.from_hex(owner.actor_id), timeout=timeout_s
+                ),
+                timeout_s,
+            )
+            return all(actor.state == ActorTableData.DEAD for actor in actors.values())
+        jobs = await asyncio.wait_for(
+            gcs.async_get_all_job_info(
+                job_or_submission_id=owner.job_id,
+                skip_submission_job_info_field=True,
+                skip_is_running_tasks_field=True,
+                timeout=timeout_s,
+            ),
+            timeout_s,
+        )
+    except Exception:
+        return False
+    return any(job.is_dead for job_id, job in jobs.items() if job_id.hex() == owner.job_id)
+
+
+def owner_key(owner: ActorOwner | DriverOwner) -> str:
+    """An owner's id, for stats: the actor's id, or "job:<id>" for a driver."""
+    if isinstance(owner, DriverOwner):
+        return f"job:{owner.job_id}"
+    return owner.actor_id
 
 
 @dataclass
@@ -130,10 +150,8 @@ class ReplicaLink:
         consumer: str,
         owner: Any,
         expected: set[str] | frozenset = frozenset(),
-        transport: str = "socket",
     ) -> None:
         self.replica_id = replica_id
-        self.transport = check_transport(transport)
         self.handle = handle
         self.consumer = consumer
         self.owner = owner  # this process's ActorOwner or DriverOwner (None: not known)
@@ -142,8 +160,6 @@ class ReplicaLink:
         self.early: dict[str, list] = {}  # their items so far
         self.error: BaseException | None = None
         self.loop = asyncio.get_running_loop()
-        self._outgoing: list[tuple[RequestMeta, asyncio.Future]] = []
-        self._tasks: set[asyncio.Task] = set()
         self.reader = self.loop.create_task(self._read())
 
     @property
@@ -151,7 +167,7 @@ class ReplicaLink:
         return self.error is None and not self.reader.done()
 
     def open(self, request_id: str) -> asyncio.Queue:
-        """The queue the request's items will arrive on (open it before submitting)."""
+        """The queue the request's items arrive on (items that came before wait in it)."""
         queue: asyncio.Queue = asyncio.Queue()
         self.queues[request_id] = queue
         for item in self.early.pop(request_id, ()):
@@ -164,15 +180,6 @@ class ReplicaLink:
         self.queues.pop(request_id, None)
         self.early.pop(request_id, None)
 
-    async def submit(self, meta: RequestMeta) -> None:
-        """Start the request on the replica (batched with others of this loop turn). Raises
-        RequestRefused for a bad request, LinkLost when the replica cannot be reached."""
-        fut = self.loop.create_future()
-        if not self._outgoing:
-            self.loop.call_soon(self._flush)
-        self._outgoing.append((meta, fut))
-        await fut
-
     async def adopt(self, migrated: Any) -> None:
         """Resume a request that migrated here (`migrated`: the ObjectRef from its Moved)."""
         try:
@@ -182,35 +189,10 @@ class ReplicaLink:
         if error:
             raise RequestRefused(error)
 
-    def _flush(self) -> None:
-        batch, self._outgoing = self._outgoing, []
-        task = self.loop.create_task(self._send(batch))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _send(self, batch: list[tuple[RequestMeta, asyncio.Future]]) -> None:
-        try:
-            errors = await self.handle.submit.remote(
-                self.consumer, [m for m, _ in batch], self.owner
-            )
-        except Exception as e:  # the replica is gone (LinkLost), or raised (a bug: refused)
-            lost = isinstance(e, RayActorError)
-            for _, fut in batch:
-                if not fut.done():
-                    fut.set_exception(LinkLost(repr(e)) if lost else RequestRefused(repr(e)))
-            return
-        for (_, fut), error in zip(batch, errors):
-            if fut.done():
-                continue
-            if error:
-                fut.set_exception(RequestRefused(error))
-            else:
-                fut.set_result(None)
-
     async def _read(self) -> None:
         try:
-            async for items in self._messages():
-                for item in items:
+            async for ref in self.handle.channel.remote(self.consumer, self.owner):
+                for item in await ref:
                     rid = item.request_id
                     if trace.ON:
                         trace.mark(rid, "received")
@@ -228,25 +210,5 @@ class ReplicaLink:
             for queue in self.queues.values():
                 queue.put_nowait(LinkLost(repr(e)))
 
-    async def _messages(self):
-        """The channel's messages: over the replica's socket, or over Ray."""
-        if self.transport == "socket":
-            offer = await self.handle.channel_socket.remote(self.consumer, self.owner)
-            try:
-                reader, writer = await connect(offer, CONNECT_TIMEOUT_S)
-            except (OSError, asyncio.TimeoutError) as e:
-                log.warning(
-                    "channel socket of replica %s at %s:%d unreachable (%r): reading its channel "
-                    "over Ray instead", self.replica_id, offer.host, offer.port, e,
-                )  # fmt: skip
-            else:
-                async for items in read_messages(reader, writer):
-                    yield items
-                return
-        async for ref in self.handle.channel.remote(self.consumer, self.owner):
-            yield await ref
-
     def shutdown(self) -> None:
         self.reader.cancel()
-        for task in self._tasks:
-            task.cancel()

@@ -1,10 +1,10 @@
 """The client side of the cluster, used by the ingress and by Python callers.
 
-`ClusterClient.generate(...)` asks the controller for a turn (`admit`); when the controller
-assigns the request it also submits it to the replica for this client (`forward`; one hop
-sooner than the client could), and the client reads its items from this process's one channel
-to that replica (`channel.ReplicaLink`: one message per engine step for all of this process's
-requests there). (A controller that restarts after forwarding a request, before its client
+`ClusterClient.generate(...)` asks the controller for a turn (`admission.AdmissionBatcher`:
+batched, over Ray); when the controller assigns the request it also submits it to the replica
+for this client, and the client reads its items from this process's one channel to that
+replica (`channel.ReplicaLink`: one message per engine step for all of this process's requests
+there). (A controller that restarts after forwarding a request, before its client
 heard where, may place it again elsewhere: the client reads it where it heard, and the first
 copy runs to its end unread - work lost, never a wrong or repeated token.)
 It follows the request wherever it goes:
@@ -13,8 +13,8 @@ It follows the request wherever it goes:
     delivered (same request id, same params) so the caller sees no gap and no repeat;
     the first item's `prompt_logprobs` and `num_cached_tokens` reach the caller once (the
     resubmission does not ask for prompt logprobs again once the caller has them);
-  * the controller is restarting: Ray retries `admit` (idempotent per request id) and the
-    client retries on errors until `admit_timeout_s`.
+  * the controller is restarting: the batcher re-subscribes and submits again what is still
+    pending (idempotent per request id), until `admit_timeout_s`.
 Every channel names its process as its owner (the actor it runs in, or a driver's job), so the
 controller can cancel what a client process that died still had queued and a replica can abort
 what it had running (Ray does not stop either stream when its reader dies).
@@ -35,16 +35,15 @@ import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
 
 from fairbatch.deployments.cluster import trace
+from fairbatch.deployments.cluster.admission import AdmissionBatcher
 from fairbatch.deployments.cluster.channel import (
     ActorOwner,
     DriverOwner,
     LinkLost,
     ReplicaLink,
     RequestRefused,
-    check_transport,
     own_process,
 )
-from fairbatch.deployments.cluster.socket_channel import CallClient, MovePending
 from fairbatch.deployments.cluster.wire import (
     FIRST_ONLY,
     Assignment,
@@ -69,22 +68,15 @@ class ClusterClient:
         admit_timeout_s: float = 120.0,
         item_timeout_s: float = 120.0,
         max_resubmits: int = 8,
-        batch_admissions: bool = True,
-        forward: bool = True,
-        channel_transport: str = "socket",
     ) -> None:
         self.controller = controller  # actor handle, or its name
-        # how replicas' channels reach this process (checked here, before any request)
-        self.channel_transport = check_transport(channel_transport)
         self.block_size = block_size
         self.admit_timeout_s = admit_timeout_s
         self.item_timeout_s = item_timeout_s
         self.max_resubmits = max_resubmits
-        self.batch_admissions = batch_admissions  # one call per batch instead of per request
-        # The controller submits each assigned request to its replica for this client (one hop
-        # less before the first token); False: this client submits after hearing where
-        self.forward = forward
-        self._expected: set[str] = set()  # requests admitted here and not ended (see forward)
+        # requests admitted here and not ended: the controller submits each to its replica
+        # for this client, whose items may come before the client heard where it runs
+        self._expected: set[str] = set()
         self._batcher: AdmissionBatcher | None = None
         self._where: dict[str, Any] = {}  # request id -> the replica holding it now (streams)
         self._links: dict[str, ReplicaLink] = {}  # replica id -> this loop's channel to it
@@ -122,10 +114,7 @@ class ClusterClient:
         if link is None or not link.alive or link.handle != handle:
             if link is not None:
                 link.shutdown()
-            link = ReplicaLink(
-                replica_id, handle, consumer, self.owner(), self._expected,
-                transport=self.channel_transport,
-            )  # fmt: skip
+            link = ReplicaLink(replica_id, handle, consumer, self.owner(), self._expected)
             self._links[replica_id] = link
         return link
 
@@ -162,7 +151,7 @@ class ClusterClient:
             cache_salt=cache_salt,
             prefix_hashes=self.prefix_hashes(list(prompt_ids), cache_salt or tenant),
             fork_of=fork_of,
-            consumer=self._consumer() if self.forward else None,
+            consumer=self._consumer(),
         )
         meta.set_deadlines(time.time())  # absolute: resubmissions keep them
         delivered: list[int] = []
@@ -195,8 +184,6 @@ class ClusterClient:
                 link = self._link(replica_id, handle)
                 queue = link.open(rid)
                 try:
-                    if not assignment.submitted:
-                        await link.submit(meta)
                     while True:
                         if queue.empty():  # (a timeout costs a task: only when waiting)
                             item = await _get(queue, self.item_timeout_s)
@@ -204,10 +191,6 @@ class ClusterClient:
                             item = queue.get_nowait()
                         if isinstance(item, LinkLost):
                             raise item
-                        if isinstance(item, MovePending):  # its handle and ref come over Ray
-                            item = await handle.moved.remote(rid)
-                            if item is None:
-                                raise LinkLost(f"replica {replica_id} lost the move of {rid}")
                         if isinstance(item, Moved) and item.replica is None:
                             _resubmission(meta, delivered, sent)  # requeued by a drain
                             break
@@ -282,29 +265,10 @@ class ClusterClient:
             pass
 
     async def _admit(self, meta: RequestMeta):
-        if self.batch_admissions:
-            loop = asyncio.get_running_loop()
-            if self._batcher is None or self._batcher.loop is not loop:
-                self._batcher = AdmissionBatcher(
-                    self._controller,
-                    owner=self.owner(),
-                    transport=self.channel_transport,
-                )
-            return await self._batcher.admit(meta, self.admit_timeout_s)
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.admit_timeout_s
-        delay = 0.05
-        while True:
-            left = deadline - loop.time()
-            if left <= 0:
-                raise TimeoutError(f"no replica admitted {meta.request_id} in time")
-            try:
-                ref = self._controller().admit.remote(meta)
-                return await asyncio.wait_for(ref, timeout=left)
-            except (RayActorError, ActorUnavailableError) as e:  # restarting: try again
-                log.info("controller unavailable (%r); retrying", e)
-                await asyncio.sleep(delay)
-                delay = min(1.0, delay * 2)
+        if self._batcher is None or self._batcher.loop is not loop:
+            self._batcher = AdmissionBatcher(self._controller, owner=self.owner())
+        return await self._batcher.admit(meta, self.admit_timeout_s)
 
     async def _report_failure(self, replica_id: str) -> None:
         try:
@@ -352,144 +316,6 @@ async def _get(queue: asyncio.Queue, timeout_s: float) -> Any:
         return await asyncio.wait_for(queue.get(), timeout_s)
     async with timeout(timeout_s):
         return await queue.get()
-
-
-class AdmissionBatcher:
-    """Admissions for one client process and event loop, batched: requests queued within
-    `linger_s` go to the controller in one `submit_many` call (one of a class above 0 goes at
-    once, with whatever is queued then), and assignments come back on one
-    long-lived `assignments` stream (which sends each replica's handle once; the batcher puts
-    it back in each Assignment). After any error on that stream (the controller restarted)
-    it re-subscribes under a new id and resubmits everything still pending: `submit_many` is
-    idempotent per request id and re-sends the assignment of a request already placed.
-    `transport` "socket": `submit_many` goes over the controller's socket (`call_socket`),
-    and over Ray when that fails."""
-
-    def __init__(
-        self,
-        controller: Callable[[], Any],
-        max_batch: int = 512,
-        linger_s: float = 0.001,
-        owner: Any = None,
-        transport: str = "socket",
-    ) -> None:
-        self.controller = controller
-        self.calls = None  # (`transport` was checked by the ClusterClient)
-        if transport == "socket":
-            self.calls = CallClient(lambda: self.controller().call_socket.remote(self.base_id))
-        self.owner = owner  # this process's ActorOwner or DriverOwner, for the controller
-        self.max_batch = max_batch
-        self.linger_s = linger_s
-        self.loop = asyncio.get_running_loop()
-        self.base_id = uuid.uuid4().hex
-        self.generation = 0
-        self.pending: dict[str, tuple[RequestMeta, asyncio.Future]] = {}
-        self.outbox: list[RequestMeta] = []
-        self.kick = asyncio.Event()
-        self.hurry = False  # a request of a class above 0 is in the outbox: no linger
-        self.subscribed = asyncio.Event()
-        self.flusher = self.loop.create_task(self._flush_loop())
-        self.reader = self.loop.create_task(self._read_loop())
-
-    @property
-    def subscriber(self) -> str:
-        return f"{self.base_id}.{self.generation}"
-
-    async def admit(self, meta: RequestMeta, timeout_s: float):
-        fut = self.loop.create_future()
-        self.pending[meta.request_id] = (meta, fut)
-        self.outbox.append(meta)
-        if meta.priority > 0:
-            self.hurry = True
-        self.kick.set()
-        try:
-            return await asyncio.wait_for(asyncio.shield(fut), timeout_s)
-        finally:
-            self.pending.pop(meta.request_id, None)
-
-    async def _flush_loop(self) -> None:
-        delay = 0.05
-        while True:
-            await self.kick.wait()
-            if not self.hurry:
-                await asyncio.sleep(self.linger_s)  # let a burst gather into one call
-            await self.subscribed.wait()  # assignments need a stream to come back on
-            self.kick.clear()
-            self.hurry = False
-            batch, self.outbox = self.outbox[: self.max_batch], self.outbox[self.max_batch :]
-            if self.outbox:
-                self.kick.set()
-            batch = [m for m in batch if m.request_id in self.pending]  # not timed out
-            if not batch:
-                continue
-            try:
-                if trace.ON:
-                    for m in batch:
-                        trace.mark(m.request_id, "submit_sent")
-                if not await self._submit_over_socket(batch):
-                    ref = self.controller().submit_many.remote(self.subscriber, batch)
-                    await asyncio.wait_for(ref, timeout=30.0)
-                delay = 0.05
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # restarting: try again shortly
-                log.info("submit_many failed (%r); retrying", e)
-                self.outbox[:0] = batch
-                self.kick.set()
-                await asyncio.sleep(delay)
-                delay = min(1.0, delay * 2)
-
-    async def _submit_over_socket(self, batch: list[RequestMeta]) -> bool:
-        """`submit_many` over the controller's socket; False when it did not get there (then
-        Ray carries it: the call is idempotent)."""
-        if self.calls is None:
-            return False
-        try:
-            call = self.calls.call("submit_many", self.subscriber, batch)
-            await asyncio.wait_for(call, timeout=30.0)
-            return True
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # unreachable, restarting, or the connection broke
-            log.info("submit_many over the controller's socket failed (%r): over Ray", e)
-            return False
-
-    async def _read_loop(self) -> None:
-        delay = 0.05
-        previous = None  # the id of the stream that broke (the controller lets it go)
-        while True:
-            gen = (
-                self.controller()
-                .assignments.options(num_returns="streaming")
-                .remote(self.subscriber, self.owner, previous)
-            )
-            self.subscribed.set()
-            handles: dict[str, Any] = {}  # replica id -> handle, as this stream sent them
-            try:
-                async for ref in gen:
-                    delay = 0.05
-                    sent, batch = await ref
-                    handles.update(sent)
-                    for a in batch:
-                        entry = self.pending.get(a.request_id)
-                        if entry is not None and not entry[1].done():
-                            if a.replica is None:  # the stream sent its handle once, before
-                                a.replica = handles.get(a.replica_id)
-                            entry[1].set_result(a)
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:
-                log.info("assignment stream broke (%r); re-subscribing", e)
-            # A new subscriber id, so a stale stream can never take our items; then resubmit
-            # what is still waiting (already placed ones get their assignment re-sent).
-            self.subscribed.clear()
-            previous = self.subscriber
-            self.generation += 1
-            await asyncio.sleep(delay)
-            delay = min(1.0, delay * 2)
-            queued = {m.request_id for m in self.outbox}
-            self.outbox.extend(m for rid, (m, _) in self.pending.items() if rid not in queued)
-            self.kick.set()
 
 
 async def collect(client: ClusterClient, prompt_ids: list[int], params, **kw) -> dict:

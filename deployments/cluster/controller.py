@@ -1,11 +1,13 @@
 """The fairness controller actor: one per cluster, named, restarted by Ray when it dies.
 
-A thin async shell around `FairnessCore` (fairness.py): `admit()` parks the caller on a future
-that resolves when the core assigns the request; `report()` folds a replica's report in and
-carries out the actions that frees slots allow (assign, preempt, migrate). State lost in a
-restart is rebuilt from the replicas' next reports (they carry cumulative service and the
-requests each replica holds); callers parked in `admit()` are retried by Ray
-(`max_task_retries=-1`: admit is idempotent per request id).
+A thin async shell around `FairnessCore` (fairness.py): clients submit requests in batches
+(`submit_many`) and hear where each runs on one `assignments` stream per client process; the
+controller submits each assigned request to its replica for the client (an actor call per
+replica and batch). `report()` folds a replica's report in and carries out the actions that
+freed slots allow (assign, preempt, migrate). State lost in a restart is rebuilt from the
+replicas' next reports (they carry cumulative service and the requests each replica holds);
+clients re-subscribe and submit again what is pending (`submit_many` is idempotent per request
+id).
 
 Given a `ReplicaSet`, the controller also owns the replicas' lifecycle (`replica_set.py`): it
 creates them (`ensure_replicas`), replaces one it has confirmed dead, and stops them on purpose
@@ -17,7 +19,6 @@ it also sizes the set (`autoscaling.py`): every `interval_s` it adds slots or dr
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 import uuid
@@ -26,6 +27,7 @@ from typing import Any
 import ray
 
 from fairbatch.deployments.cluster import trace
+from fairbatch.deployments.cluster.assignments import ClientSide
 from fairbatch.deployments.cluster.autoscaling import (
     Autoscaler,
     Requeue,
@@ -49,21 +51,12 @@ from fairbatch.deployments.cluster.replica_set import (
     ReplicaSpec,
     Supervisor,
 )
-from fairbatch.deployments.cluster.socket_channel import (
-    CallClient,
-    ChannelServer,
-    Offer,
-    node_address,
-    serve_calls,
-)
 from fairbatch.deployments.cluster.wire import Assignment, ReplicaReport, RequestMeta
 
 log = logging.getLogger(__name__)
 
-_END = object()  # put in a subscriber's outbox: its assignment stream ends
 
-
-class Controller:
+class Controller(ClientSide):
     # A replica silent this long (reports carry a heartbeat every 0.5 s) is pinged, and dropped
     # if the ping fails, so a replica that died idle stops receiving requests.
     silent_after_s = 5.0
@@ -73,24 +66,10 @@ class Controller:
         self.config = config
         self.core = FairnessCore(config)
         self.handles: dict[str, Any] = {}
-        self._waiters: dict[str, asyncio.Future] = {}
         self._tasks: set[asyncio.Task] = set()
         self._pushed: dict[str, float] = {}
         self.incarnation = uuid.uuid4().hex  # changes when Ray restarts the actor
-        # batched admission: subscriber id -> its assignments not yet streamed out
-        self._outboxes: dict[str, asyncio.Queue] = {}
-        self._owner: dict[str, str] = {}  # request id -> subscriber waiting for it
-        # subscriber -> its process (ActorOwner, or a driver's DriverOwner), checked every
-        # `subscriber_check_s`; consumer id -> the same owner, sent with forwarded requests
-        # once per (replica, consumer) so the replica can watch a consumer it has not heard from
-        self._subscriber_owner: dict[str, Any] = {}
-        self._consumer_owner: dict[str, Any] = {}
-        self._owner_sent: set[tuple[str, str]] = set()
-        # calls over sockets: to each replica (forwarded submissions), and from clients
-        self._calls: dict[str, CallClient] = {}  # replica id -> its calls
-        self._socket: ChannelServer | None = None
-        self._last_subscriber_check = 0.0
-        self._checking_subscribers = False
+        self._init_clients()
         self._last_report: dict[str, float] = {}  # replica id -> monotonic time of last report
         self._watchdog: asyncio.Task | None = None
         self._dead: set[str] = set()  # confirmed dead and fenced: their late reports are ignored
@@ -106,181 +85,6 @@ class Controller:
             self.supervisor = Supervisor(replicas, launcher, self._is_up, self._replica_config)
             if replicas.autoscaling is not None:
                 self.autoscaler = Autoscaler(replicas.autoscaling, len(replicas.replicas))
-
-    # ---- clients ----------------------------------------------------------------------------
-
-    async def admit(self, meta: RequestMeta) -> Assignment:
-        """Resolves when it is the request's turn, with the replica to stream from."""
-        self._background()
-        rid = meta.request_id
-        where = self.core.where(rid)
-        if where is not None and where in self.handles:
-            return self._placed(rid, where)  # a retried call
-        fut = self._waiters.get(rid)
-        if fut is None:
-            fut = self._waiters[rid] = asyncio.get_running_loop().create_future()
-            if rid not in self.core.tickets:
-                self._apply(self.core.submit(meta))
-        try:
-            return await asyncio.shield(fut)
-        except asyncio.CancelledError:  # the caller gave up: drop it from the queue
-            self._waiters.pop(rid, None)
-            if self.core.where(rid) is None:
-                self.core.cancel(rid)
-            raise
-
-    # Batched admission: one call submits many requests, one long-lived stream per client
-    # process carries their assignments back. Per-request actor calls cost ~2 ms each on a
-    # 2-core box (~450 admissions/s); batches amortize that. Idempotent per request id, so a
-    # client resubmits whatever is pending after a controller restart.
-
-    async def submit_many(self, subscriber: str, metas: list[RequestMeta]) -> None:
-        self._background()
-        outbox = self._outbox(subscriber)
-        owner = self._subscriber_owner.get(subscriber)
-        for meta in metas:
-            rid = meta.request_id
-            if trace.ON:
-                trace.begin(rid, meta.tenant, "controller")
-            if owner is not None and meta.consumer is not None:
-                self._consumer_owner.setdefault(meta.consumer, owner)
-            where = self.core.where(rid)
-            if where is not None and where in self.handles:
-                outbox.put_nowait(self._placed(rid, where))
-                continue
-            self._owner[rid] = subscriber
-            if rid not in self.core.tickets:
-                self._apply(self.core.submit(meta))
-
-    async def call_socket(self, caller: str) -> Offer:
-        """An offer of calls over this controller's socket (`socket_channel.CallClient`): a
-        client's `submit_many`, at a fraction of an actor call's cost."""
-        if self._socket is None:
-            self._socket = ChannelServer(node_address(), self._serve_calls)
-        return await self._socket.offer(caller)
-
-    async def _serve_calls(self, caller: str, reader: Any, writer: Any) -> None:
-        await serve_calls({"submit_many": self.submit_many}, reader, writer)
-
-    @ray.method(max_task_retries=0)  # a retried stream would skip items: re-subscribe instead
-    async def assignments(self, subscriber: str, owner: Any = None, replaces: str | None = None):
-        """Stream `(handles, batch)` for requests this subscriber submitted: `batch` a list of
-        Assignments, `handles` {replica id: actor handle} for the replicas this stream has not
-        sent before. Each handle goes once per stream, not once per request (deserializing one
-        per request cost the ingress ~4% of its CPU): an Assignment here carries `replica` None
-        when its handle went in this or an earlier message. (A replica id never names another
-        actor: a replacement gets an id of its own, `replica_set.SEP`.) `owner`: the
-        subscriber's process, `ActorOwner` or a driver's `DriverOwner` (None: not known);
-        once it is dead, its queued requests are cancelled and this stream ends
-        (`_check_subscribers`). `replaces`: the id this client subscribed under before (its
-        stream broke): that stream ends, and the assignments still due to it come on this one."""
-        self._background()
-        if owner is not None:
-            self._subscriber_owner[subscriber] = owner
-        if replaces is not None and replaces != subscriber:
-            self._forget_subscriber(replaces, successor=subscriber)
-        outbox = self._outbox(subscriber)
-        sent: set[str] = set()  # the replica ids whose handle this stream sent
-        while True:
-            first = await outbox.get()
-            if first is _END:
-                return
-            batch = [first]
-            while not outbox.empty():
-                item = outbox.get_nowait()
-                if item is _END:
-                    outbox.put_nowait(_END)  # (after this batch)
-                    break
-                batch.append(item)
-            handles: dict[str, Any] = {}
-            for i, a in enumerate(batch):
-                if a.replica is None:  # expired, or no handle known: as it is
-                    continue
-                if a.replica_id not in sent:
-                    sent.add(a.replica_id)
-                    handles[a.replica_id] = a.replica
-                # a copy: an admit() waiter may hold the same object
-                batch[i] = dataclasses.replace(a, replica=None)
-            yield handles, batch
-
-    def _outbox(self, subscriber: str) -> asyncio.Queue:
-        outbox = self._outboxes.get(subscriber)
-        if outbox is None:
-            outbox = self._outboxes[subscriber] = asyncio.Queue()
-        return outbox
-
-    def _placed(self, rid: str, where: str) -> Assignment:
-        """The assignment of a request already placed, sent again (a retried admission)."""
-        meta = self.core.tickets[rid].meta
-        # Submitted when this controller forwarded it, or when it was adopted from a replica's
-        # report after a restart (meta None: the replica has it).
-        submitted = meta is None or meta.consumer is not None
-        return Assignment(rid, where, self.handles[where], submitted=submitted)
-
-    async def cancel(self, request_id: str) -> None:
-        t = self.core.tickets.get(request_id)
-        if t is not None and t.replica in self.handles and t.meta and t.meta.consumer:
-            # Forwarded: the replica may hold it before its client heard where it runs
-            self.handles[t.replica].abort.remote(request_id)
-        self._owner.pop(request_id, None)
-        fut = self._waiters.pop(request_id, None)
-        if fut is not None and not fut.done():
-            fut.cancel()
-        self.core.cancel(request_id)
-        self._apply(self.core.dispatch())
-
-    # ---- subscribers that die ----------------------------------------------------------------
-
-    subscriber_check_s = 2.0  # how often the subscribers' processes are pinged
-
-    def _check_subscribers_due(self) -> None:
-        now = time.monotonic()
-        if not self._subscriber_owner or self._checking_subscribers:
-            return  # (a ping can take 10 s: one round at a time)
-        if now - self._last_subscriber_check >= self.subscriber_check_s:
-            self._last_subscriber_check = now
-            self._checking_subscribers = True
-            self._spawn(self._check_subscribers())
-
-    async def _check_subscribers(self) -> None:
-        """A subscriber whose process died can never take its assignments: its requests still
-        queued here are cancelled (they would otherwise be placed, and run unread to their last
-        token), its stream ends, and what is kept for it goes."""
-        from fairbatch.deployments.cluster.replica import owner_is_dead
-
-        try:
-            subs = list(self._subscriber_owner.items())
-            verdicts = await asyncio.gather(*(owner_is_dead(h, 10.0) for _, h in subs))
-            for (sub, owner), dead in zip(subs, verdicts):
-                if dead and self._subscriber_owner.get(sub) is owner:
-                    await self._drop_subscriber(sub, owner)
-        finally:
-            self._checking_subscribers = False
-
-    async def _drop_subscriber(self, subscriber: str, owner: Any) -> None:
-        queued = [rid for rid, sub in self._owner.items() if sub == subscriber]
-        if queued:
-            log.info("subscriber %s died: cancelling its %d queued request(s)", subscriber,
-                     len(queued))  # fmt: skip
-        for rid in queued:
-            await self.cancel(rid)
-        self._forget_subscriber(subscriber)
-        gone = {c for c, h in self._consumer_owner.items() if h == owner}
-        for consumer in gone:
-            del self._consumer_owner[consumer]
-        self._owner_sent = {k for k in self._owner_sent if k[1] not in gone}
-
-    def _forget_subscriber(self, subscriber: str, successor: str | None = None) -> None:
-        """End its stream and keep nothing for it; what it still waits for goes to
-        `successor` (the same client under a new id), if any."""
-        self._subscriber_owner.pop(subscriber, None)
-        if successor is not None:
-            for rid, sub in self._owner.items():
-                if sub == subscriber:
-                    self._owner[rid] = successor
-        outbox = self._outboxes.pop(subscriber, None)
-        if outbox is not None:
-            outbox.put_nowait(_END)  # its stream ends (were its caller still reading)
 
     def _background(self) -> None:
         """Start the watchdog (lazily: an async actor has no running loop in __init__)."""
@@ -340,9 +144,6 @@ class Controller:
         self._last_report.pop(replica_id, None)
         self._pushed.pop(replica_id, None)
         self._owner_sent = {k for k in self._owner_sent if k[0] != replica_id}
-        calls = self._calls.pop(replica_id, None)
-        if calls is not None:
-            calls.close()
         self.core.remove_replica(replica_id)
         self._apply(self.core.dispatch())
 
@@ -524,10 +325,7 @@ class Controller:
     # ---- actions ----------------------------------------------------------------------------
 
     def _answer(self, rid: str, assignment: Assignment) -> None:
-        """Tell whoever waits for `rid`'s assignment: an admit call, or its subscriber's stream."""
-        fut = self._waiters.pop(rid, None)
-        if fut is not None and not fut.done():
-            fut.set_result(assignment)
+        """Tell the subscriber that waits for `rid`'s assignment, on its stream."""
         subscriber = self._owner.pop(rid, None)
         if subscriber is not None:
             self._outbox(subscriber).put_nowait(assignment)
@@ -538,10 +336,9 @@ class Controller:
             if isinstance(action, Assign):
                 rid, meta = action.ticket.request_id, action.ticket.meta
                 handle = self.handles.get(action.replica_id)
-                forward = handle is not None and meta is not None and meta.consumer is not None
-                if forward:
+                if handle is not None and meta is not None and meta.consumer is not None:
                     forwards.setdefault((action.replica_id, meta.consumer), []).append(meta)
-                self._answer(rid, Assignment(rid, action.replica_id, handle, submitted=forward))
+                self._answer(rid, Assignment(rid, action.replica_id, handle))
             elif isinstance(action, Expire):  # dropped from the queue: the caller ends it
                 rid = action.ticket.request_id
                 self._answer(rid, Assignment(rid, "", None, finish_reason=action.finish_reason))
@@ -553,7 +350,7 @@ class Controller:
                 self._spawn(self._migrate(action))
         for (replica_id, consumer), metas in forwards.items():
             # Sent now, awaited in a task: the request reaches its replica one hop sooner than
-            # through its client (which hears the assignment meanwhile and only reads items).
+            # through its client (which hears the assignment meanwhile and reads the items).
             # The consumer's owner goes along the first time, so the replica watches it even
             # if it dies before opening its channel there.
             owner = None
@@ -570,13 +367,11 @@ class Controller:
     async def _forward(
         self, replica_id: str, handle: Any, consumer: str, metas: list[RequestMeta], owner: Any
     ) -> None:
-        """Submit `metas` to their replica for `consumer` (`_on_replica`: a forwarded
-        submission is idempotent). A request the replica refused ended there with an error
-        item to its client; here it leaves its slot."""
+        """Submit `metas` to their replica for `consumer` (idempotent per request id: a
+        restarted controller may place a request again). A request the replica refused ended
+        there with an error item to its client; here it leaves its slot."""
         try:
-            errors = await self._on_replica(
-                replica_id, handle, "submit", consumer, metas, owner, True
-            )
+            errors = await handle.submit.remote(consumer, metas, owner)
         except Exception as e:  # the replica died: its clients resubmit (the link breaks)
             log.info("forwarding %d request(s) failed: %r", len(metas), e)
             return
@@ -587,37 +382,15 @@ class Controller:
             self._apply(self.core.dispatch())
 
     async def _preempt(self, action: Preempt, handle: Any) -> None:
-        """Preempt on its replica (`_on_replica`, where the forwards go: it starts there before
-        the submission of the request it makes room for; preempting a request that is not
-        running, preempted already or ended, does nothing)."""
+        """Preempt on its replica. Spawned before the forwards of the same actions, so it
+        starts there before the submission of the request it makes room for (Ray starts one
+        caller's calls to an actor in order); preempting a request that is not running,
+        preempted already or ended, does nothing."""
         rid = action.request_id
         try:
-            await self._on_replica(action.replica_id, handle, "preempt", rid, action.mode)
+            await handle.preempt.remote(rid, action.mode)
         except Exception as e:  # the replica died: its requests are resubmitted elsewhere
             log.info("preempt %s on %s failed: %r", rid, action.replica_id, e)
-
-    async def _on_replica(self, replica_id: str, handle: Any, name: str, *args: Any) -> Any:
-        """`name(*args)` on the replica: over its socket, or as an actor call when the socket
-        fails (so only for calls that may run twice) or `submit_transport` is "ray". Raises
-        what the actor call raises."""
-        if self.config.submit_transport == "socket":
-            try:
-                return await self._calls_to(replica_id, handle).call(name, *args)
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # unreachable, or the connection broke: over Ray
-                log.info("%s over %s's socket failed (%r): over Ray", name, replica_id, e)
-        return await getattr(handle, name).remote(*args)
-
-    def _calls_to(self, replica_id: str, handle: Any) -> CallClient:
-        """The calls to a replica over its socket (one connection per replica id: an id never
-        names another actor, though each report brings a new handle object for it)."""
-        client = self._calls.get(replica_id)
-        if client is None:
-            caller = f"controller.{self.incarnation}"
-            client = CallClient(lambda: handle.call_socket.remote(caller))
-            self._calls[replica_id] = client
-        return client
 
     async def _migrate(self, action: Migrate) -> bool:
         src, dst = self.handles.get(action.src), self.handles.get(action.dst)

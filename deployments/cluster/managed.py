@@ -11,10 +11,10 @@ import logging
 from dataclasses import replace
 from typing import Any
 
-from fairbatch.deployments.cluster.channel import ActorOwner
+from fairbatch.deployments.cluster.channel import ActorOwner, owner_is_dead
 from fairbatch.deployments.cluster.controller import Controller
 from fairbatch.deployments.cluster.fairness import ControllerConfig
-from fairbatch.deployments.cluster.replica import Replica, ReplicaConfig, owner_is_dead
+from fairbatch.deployments.cluster.replica import Replica, ReplicaConfig
 from fairbatch.deployments.cluster.replica_set import ReplicaSet, ReplicaSpec
 from fairbatch.deployments.metrics import Deltas, get_metrics
 from fairbatch.policies import TenantSpec

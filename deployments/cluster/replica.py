@@ -1,13 +1,12 @@
 """The replica actor: one per GPU, owns an EngineCore and runs its step loop continuously.
 
-Data plane (`channel.py`): consumers (an ingress replica, a handle caller, a driver) `submit`
-requests in batches and read one long-lived channel each (a TCP socket of its own,
-`socket_channel.py`, or a Ray stream); after every engine step the deltas of each consumer's
-requests go to that consumer's outbox, and its channel takes them as one message. Tokens never
-pass through the controller. Control plane: a background task reports to the controller at a
-bounded rate (one report per `report_interval_s` at most, and only when something changed or
-a heartbeat is due), and the controller's commands (preempt, migrate out, counters) run
-between steps on the engine thread.
+Data plane (`channel.py`): the controller submits requests in batches for their consumers (an
+ingress replica, a handle caller, a driver), and each consumer reads one long-lived channel (a
+Ray streaming generator); after every engine step the deltas of each consumer's requests go to
+that consumer's outbox, and its channel takes them as one message. Tokens never pass through
+the controller. Control plane: reports to the controller (`replica_report.py`), and the
+controller's commands (preempt, migrate out, counters) run between steps on the engine thread.
+What the replica runs, and its config, are in `replica_config.py`.
 
 A consumer that dies does not always end its channel: Ray keeps running an actor's streaming
 generator after the process consuming it is gone. So a consumer names its process when it
@@ -25,41 +24,23 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from fairbatch.deployments.cluster import trace
-from fairbatch.deployments.cluster.channel import (
-    CHANNEL_BACKPRESSURE,
-    ActorOwner,
-    DriverOwner,
-    Outbox,
-)
-from fairbatch.deployments.cluster.socket_channel import (
-    ChannelServer,
-    MovePending,
-    Offer,
-    node_address,
-    serve_calls,
-    write_messages,
-)
-from fairbatch.deployments.cluster.wire import Moved, ReplicaReport, RequestMeta, StreamItem
-from fairbatch.engine.core import EngineCore, MigratedRequest, RequestDelta
-from fairbatch.policies import TenantSpec
-from fairbatch.scheduler import Request, RequestStatus, SchedulerConfig
+import ray
+
+from fairbatch.deployments.cluster import channel, trace
+from fairbatch.deployments.cluster.channel import CHANNEL_BACKPRESSURE, Outbox, owner_key
+from fairbatch.deployments.cluster.replica_config import ReplicaConfig, build_core, pace_step
+from fairbatch.deployments.cluster.replica_report import Reports
+from fairbatch.deployments.cluster.wire import Moved, RequestMeta, StreamItem
+from fairbatch.engine.core import MigratedRequest, RequestDelta
+from fairbatch.scheduler import RequestStatus
+
+__all__ = ["DEAD_CONSUMER", "Replica", "ReplicaConfig", "build_core", "replica_actor"]
 
 log = logging.getLogger(__name__)
-
-
-def ray_method(**options: Any):
-    """`ray.method(...)` when Ray is installed (the class also runs without it, in tests)."""
-    try:
-        import ray
-    except ImportError:  # pragma: no cover
-        return lambda fn: fn
-    return ray.method(**options)
 
 
 @dataclass
@@ -68,137 +49,8 @@ class _Route:
     num_out: int  # output tokens it has (reported when it leaves)
 
 
-@dataclass
-class ReplicaConfig:
-    engine: str = "sim"  # "sim", "tiny", or a Hugging Face model directory
-    num_gpu_blocks: int = 256
-    num_cpu_blocks: int = 256
-    block_size: int = 16
-    max_num_seqs: int = 8
-    max_num_batched_tokens: int = 512
-    max_model_len: int = 1024
-    policy: str = "priority"  # the local queue's order
-    tenants: list[TenantSpec] = field(default_factory=list)
-    policy_kwargs: dict = field(default_factory=dict)  # e.g. dlpm's quantum
-    preemption_mode: str = "auto"
-    # sim only: the modelled hardware, and real seconds slept per virtual second of step time
-    # (0 = unpaced; 1 = as slow as the modelled GPU)
-    sim_model: str = "llama3_8b"
-    sim_gpu: str = "H100"
-    sim_vocab: int = 1000
-    time_scale: float = 0.0
-    report_interval_s: float = 0.02
-    heartbeat_s: float = 0.5
-    device: str = "cpu"
-    torch_threads: int = 1  # CPU model: intra-op threads per replica (replicas share cores)
-
-    def __post_init__(self) -> None:
-        """Bad values fail here, where a config is read, not in a replica starting later."""
-        SchedulerConfig(  # its own checks: seats, token budget, context, preemption mode
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            max_model_len=self.max_model_len,
-            preemption_mode=self.preemption_mode,
-        )
-        at_least = {"num_gpu_blocks": 1, "num_cpu_blocks": 0, "block_size": 1, "torch_threads": 1}
-        for name, low in at_least.items():
-            if getattr(self, name) < low:
-                raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")
-        for name in ("report_interval_s", "heartbeat_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if not self.time_scale >= 0:
-            raise ValueError(f"time_scale must be >= 0, got {self.time_scale}")
-        device = self.device
-        if not (device in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", device)):
-            raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}")
-
-
 DEAD_CONSUMER = "the consumer died"  # why a submission for a consumer found dead is refused
 DEAD_CONSUMERS_KEPT = 1024  # consumer ids (one per client process) remembered as dead
-
-
-def build_core(cfg: ReplicaConfig) -> EngineCore:
-    """The engine factory: a simulated runner ("sim") or the real model (anything else)."""
-    if cfg.engine == "sim":
-        from fairbatch.engine import gpu_profiles
-        from fairbatch.engine.sim_runner import SimRunner
-        from fairbatch.kv.manager import KVCacheManager
-        from fairbatch.policies import make_policy
-        from fairbatch.scheduler import Scheduler
-
-        shape = getattr(gpu_profiles, cfg.sim_model)()
-        runner = SimRunner(shape, cfg.sim_gpu, vocab_size=cfg.sim_vocab, block_size=cfg.block_size)
-        sched_cfg = SchedulerConfig(
-            max_num_seqs=cfg.max_num_seqs,
-            max_num_batched_tokens=cfg.max_num_batched_tokens,
-            max_model_len=cfg.max_model_len,
-            preemption_mode=cfg.preemption_mode,
-            kv_bytes_per_token=shape.kv_bytes_per_token,
-        )
-        kv = KVCacheManager(cfg.num_gpu_blocks, cfg.block_size, cfg.num_cpu_blocks)
-        policy = make_policy(cfg.policy, cfg.tenants, **cfg.policy_kwargs)
-        return EngineCore(Scheduler(sched_cfg, kv, policy), runner)
-    import torch
-
-    from fairbatch.engine.llm import build_engine
-
-    if cfg.device == "cpu" and cfg.torch_threads > 0:
-        torch.set_num_threads(cfg.torch_threads)
-    return build_engine(
-        cfg.engine,
-        device=cfg.device,
-        block_size=cfg.block_size,
-        num_gpu_blocks=cfg.num_gpu_blocks,
-        num_cpu_blocks=cfg.num_cpu_blocks,
-        max_num_seqs=cfg.max_num_seqs,
-        max_num_batched_tokens=cfg.max_num_batched_tokens,
-        max_model_len=cfg.max_model_len,
-        preemption_mode=cfg.preemption_mode,
-        policy=cfg.policy,
-        tenants=cfg.tenants,
-        policy_kwargs=cfg.policy_kwargs,
-    )
-
-
-async def owner_is_dead(owner: ActorOwner | DriverOwner, timeout_s: float) -> bool:
-    """True only when the GCS says the consumer's process is gone: its actor is DEAD (or no
-    longer listed: the GCS forgets dead actors past a count), or a driver's job is marked
-    dead. No answer in time, or any error, proves nothing: False."""
-    import ray
-    from ray.core.generated.gcs_pb2 import ActorTableData
-
-    try:
-        gcs = ray._private.worker.global_worker.gcs_client  # (these tables have no public API)
-        if isinstance(owner, ActorOwner):
-            actors = await asyncio.wait_for(
-                gcs.async_get_all_actor_info(
-                    actor_id=ray.ActorID.from_hex(owner.actor_id), timeout=timeout_s
-                ),
-                timeout_s,
-            )
-            return all(actor.state == ActorTableData.DEAD for actor in actors.values())
-        jobs = await asyncio.wait_for(
-            gcs.async_get_all_job_info(
-                job_or_submission_id=owner.job_id,
-                skip_submission_job_info_field=True,
-                skip_is_running_tasks_field=True,
-                timeout=timeout_s,
-            ),
-            timeout_s,
-        )
-    except Exception:
-        return False
-    return any(job.is_dead for job_id, job in jobs.items() if job_id.hex() == owner.job_id)
-
-
-def pace_step(core: EngineCore, time_scale: float) -> None:
-    """After a step of a simulated engine: sleep what the step would take on its GPU, scaled by
-    `time_scale` (0: no pacing). Real engines have no modelled cost and are never paced."""
-    if time_scale > 0:
-        cost = getattr(core.runner, "last_cost", None)
-        if cost is not None and cost.total_s > 0:
-            time.sleep(cost.total_s * time_scale)
 
 
 def _trace_step(request_id: str, times: trace.StepTimes) -> None:
@@ -213,14 +65,7 @@ def _trace_step(request_id: str, times: trace.StepTimes) -> None:
         trace.mark(request_id, point, value)
 
 
-def owner_key(owner: ActorOwner | DriverOwner) -> str:
-    """An owner's id, for stats: the actor's id, or "job:<id>" for a driver."""
-    if isinstance(owner, DriverOwner):
-        return f"job:{owner.job_id}"
-    return owner.actor_id
-
-
-class Replica:
+class Replica(Reports):
     def __init__(
         self,
         replica_id: str,
@@ -244,18 +89,11 @@ class Replica:
         self._dead_consumers: dict[str, None] = {}
         self._stalling: set[str] = set()  # consumers whose requests are being dropped
         self._exports: list[tuple[float, Any]] = []  # (time, ObjectRef) of migrated requests
-        self._moves: dict[str, tuple[float, Moved]] = {}  # announced on a socket, not fetched
-        self._socket: ChannelServer | None = None  # channel sockets, from the first one asked
-        self._finished: list[tuple[str, int]] = []  # (id, output tokens) left since last report
         self._meta: dict[str, tuple[str, int, int]] = {}  # id -> (tenant, priority, max_tokens)
-        self._changed = True
-        self._seq = 0
-        self._hash_count = -1
         self.num_imported_kv_blocks = 0
         self.controller_name = controller_name
         self.namespace = namespace
-        self._reporter: asyncio.Task | None = None
-        self._controller: Any = None
+        self._init_reports()
         self._owner_watch: asyncio.Task | None = None
 
     def _pace(self) -> None:
@@ -264,16 +102,15 @@ class Replica:
     # ---- data plane -------------------------------------------------------------------------
 
     async def submit(
-        self, consumer: str, metas: list[RequestMeta], owner: Any = None, forwarded: bool = False
+        self, consumer: str, metas: list[RequestMeta], owner: Any = None
     ) -> list[str | None]:
-        """Start new (or resubmitted) requests whose items go to `consumer`'s channel. Returns
-        one entry per request: None when it was added, else why it was refused. `owner`: the
+        """Start new (or resubmitted) requests whose items go to `consumer`'s channel; the
+        controller sends them for the consumer, which does not wait for this answer. Returns
+        one entry per request: None when it was added, else why it was refused; a refusal also
+        goes to the consumer as the request's last item, and a request already here for the
+        consumer counts as added (the controller restarted and placed it again). `owner`: the
         consumer's process (`ActorOwner`, or a driver's `DriverOwner`), watched so its
-        requests end if it dies; None when not known yet (its channel brings it).
-        `forwarded`: sent by the controller for the consumer, which is not waiting for this
-        answer: a refusal also goes to the consumer as the request's last item, and a request
-        already here for the consumer counts as added (the controller restarted and placed it
-        again)."""
+        requests end if it dies; None when not known yet (its channel brings it)."""
         self._start_reporter()
         if consumer in self._dead_consumers:  # nobody would read its items: never run them
             return [DEAD_CONSUMER] * len(metas)
@@ -286,7 +123,7 @@ class Replica:
             if trace.ON:
                 trace.begin(rid, meta.tenant, "replica")
             route = self._routes.get(rid)
-            if forwarded and route is not None and route.box is box:
+            if route is not None and route.box is box:
                 continue
             if route is not None or rid in seen:
                 errors[i] = f"duplicate request id {rid!r}"
@@ -310,14 +147,13 @@ class Replica:
             batch.append((i, rid, meta_row, len(meta.output_ids), add))
         for i, error in zip((b[0] for b in batch), await self._add_all(box, batch)):
             errors[i] = error
-        if forwarded:
-            for meta, error in zip(metas, errors):
-                route = self._routes.get(meta.request_id)
-                if error and (route is None or route.box is not box):  # (not a copy running)
-                    rid = meta.request_id
-                    box.put(
-                        StreamItem([], "", True, "error", error=f"refused: {error}", request_id=rid)
-                    )
+        for meta, error in zip(metas, errors):
+            route = self._routes.get(meta.request_id)
+            if error and (route is None or route.box is not box):  # (not a copy running)
+                rid = meta.request_id
+                box.put(
+                    StreamItem([], "", True, "error", error=f"refused: {error}", request_id=rid)
+                )
         return errors
 
     async def adopt(self, consumer: str, migrated: Any, owner: Any = None) -> str | None:
@@ -341,26 +177,23 @@ class Replica:
 
     def _resubmitted(self, meta: RequestMeta) -> MigratedRequest:
         """A request whose replica died: prompt + tokens already delivered, recomputed here.
-        Rebuilt with its output tokens (not as a longer prompt) so max_tokens, seeded sampling
-        (keyed on the output index) and the detokenizer carry on exactly."""
-        params = meta.params
-        stop_ids = list(params.stop_token_ids or ())
-        if not params.ignore_eos:
-            stop_ids.extend(self.core.eos_token_ids)
-        request = Request(
-            meta.request_id,
+        Built by the engine's intake (`make_request`, as `add_request` builds a new one), then
+        given its output tokens (not a longer prompt) so max_tokens, seeded sampling (keyed on
+        the output index) and the detokenizer carry on exactly; its prompt was charged on its
+        first replica."""
+        request = self.core.make_request(
             list(meta.prompt_ids),
-            params.max_tokens,
+            meta.params,
+            request_id=meta.request_id,
             tenant=meta.tenant,
             priority=meta.priority,
-            stop_token_ids=stop_ids,
             cache_salt=meta.cache_salt,
-            sampling_params=params,
+            deadlines=(meta.deadline, meta.queue_deadline),
         )
         for token in meta.output_ids:
             request.append_output_token(token)
-        request.num_prompt_charged = request.num_prompt_tokens  # charged on the first replica
-        return MigratedRequest(request, None, {"deadlines": (meta.deadline, meta.queue_deadline)})
+        request.num_prompt_charged = request.num_prompt_tokens
+        return MigratedRequest(request, None, {})
 
     async def _add_all(self, box: Outbox, batch: list[tuple]) -> list[str | None]:
         """Add a batch of requests in one trip to the engine thread; why each was refused,
@@ -396,59 +229,15 @@ class Replica:
         self._watch(box)
         return errors
 
-    @ray_method(
+    @ray.method(
         num_returns="streaming",
         max_task_retries=0,
         _generator_backpressure_num_objects=CHANNEL_BACKPRESSURE,
     )
     async def channel(self, consumer: str, owner: Any = None):
-        """The consumer's one stream from this replica over Ray (`channel_socket` is the
-        default): each item is a list of everything its outbox gathered since the last one
-        (one engine step's deltas, or more). A newer channel of the same consumer ends this
-        one."""
-        async for items in self._messages(consumer, owner):
-            yield items
-
-    async def channel_socket(self, consumer: str, owner: Any = None) -> Offer:
-        """The consumer's channel as a TCP socket of its own (`socket_channel`): where to
-        connect, with the tokens that prove both ends. The channel opens on connecting."""
-        self._watch(self._outbox(consumer, owner))
-        return await self._channel_server().offer(consumer)
-
-    async def call_socket(self, caller: str) -> Offer:
-        """An offer of calls over this replica's socket (`socket_channel.CallClient`): the
-        controller's forwarded submissions and preemptions."""
-        return await self._channel_server().offer(caller, self._serve_calls)
-
-    def _channel_server(self) -> ChannelServer:
-        if self._socket is None:
-            self._socket = ChannelServer(node_address(), self._serve_socket)
-        return self._socket
-
-    async def _serve_calls(self, caller: str, reader: Any, writer: Any) -> None:
-        await serve_calls({"submit": self.submit, "preempt": self.preempt}, reader, writer)
-
-    async def _serve_socket(self, consumer: str, reader: Any, writer: Any) -> None:
-        async def framed():
-            async for items in self._messages(consumer):
-                yield [self._plain(item) for item in items]
-
-        await write_messages(framed(), reader, writer)
-
-    def _plain(self, item: Any) -> Any:
-        """`item` as plain data for a socket frame: a move to another replica waits here for
-        `moved()` (its handle and ObjectRef travel over Ray)."""
-        if isinstance(item, Moved) and item.replica is not None:
-            self._moves[item.request_id] = (time.monotonic(), item)
-            return MovePending(item.request_id)
-        return item
-
-    async def moved(self, request_id: str) -> Moved | None:
-        """The `Moved` a socket frame announced as `MovePending` (None if not here)."""
-        entry = self._moves.pop(request_id, None)
-        return None if entry is None else entry[1]
-
-    async def _messages(self, consumer: str, owner: Any = None):
+        """The consumer's one stream from this replica: each item is a list of everything its
+        outbox gathered since the last one (one engine step's deltas, or more). A newer
+        channel of the same consumer ends this one."""
         box = self._outbox(consumer, owner)
         self._watch(box)  # a forwarded submission may have made the box before its owner was known
         box.generation += 1
@@ -563,7 +352,7 @@ class Replica:
                 await asyncio.gather(*(self._check_owner(b) for b in boxes))
 
     async def _check_owner(self, box: Outbox) -> None:
-        if not await owner_is_dead(box.owner, self.owner_ping_timeout_s):
+        if not await channel.owner_is_dead(box.owner, self.owner_ping_timeout_s):
             return
         # dead: nobody reads these items any more; its channel (if still open) ends too
         self._boxes.pop(box.consumer, None)
@@ -600,8 +389,6 @@ class Replica:
         """Preempt (swap, so the K/V travels), export, publish to the object store, and end the
         caller's stream with a Moved marker that names the destination. `waiting_only`: only a
         request that has not started here (waiting in the local queue); False otherwise."""
-        import ray
-
         if request_id not in self._routes:
             return False  # finished, or not started here yet
 
@@ -646,14 +433,10 @@ class Replica:
     export_hold_s = 300.0  # how long a migrated request's object stays pinned at its source
 
     def _prune_exports(self) -> None:
-        """Unpin migrated requests' objects older than `export_hold_s`, and forget moves not
-        fetched by then (on the event loop)."""
+        """Unpin migrated requests' objects older than `export_hold_s` (on the event loop)."""
         now = time.monotonic()
         if self._exports:
             self._exports = [(t, r) for t, r in self._exports if now - t < self.export_hold_s]
-        for rid, (t, _) in list(self._moves.items()):
-            if now - t >= self.export_hold_s:
-                del self._moves[rid]
 
     async def set_tenant_counters(self, counters: dict[str, float]) -> None:
         await self.engine.call(self.core.scheduler.set_tenant_counters, counters)
@@ -702,97 +485,9 @@ class Replica:
                 owners[key] = owners.get(key, 0) + len(box.requests)
         return {**await self.engine.call(run), "owners": owners}
 
-    # ---- reports ----------------------------------------------------------------------------
-
-    def _start_reporter(self) -> None:
-        if self._reporter is None and self.controller_name is not None:
-            self._reporter = asyncio.get_running_loop().create_task(self._report_loop())
-
-    async def start(self) -> str:
-        """Begin reporting (the cluster builder calls this once the actor is up)."""
-        self._start_reporter()
-        return self.replica_id
-
-    async def _report_loop(self) -> None:
-        import ray
-
-        cfg = self.config
-        last_sent = 0.0
-        handle = None
-        while True:
-            await asyncio.sleep(cfg.report_interval_s)
-            self._prune_exports()  # also when no migration comes after the last one
-            now = time.monotonic()
-            if not self._changed and now - last_sent < cfg.heartbeat_s:
-                continue
-            try:
-                if self._controller is None:
-                    self._controller = ray.get_actor(self.controller_name, self.namespace)
-                if handle is None:
-                    handle = ray.get_runtime_context().current_actor
-                report = await self.engine.call(self._report, handle)
-                counters = await asyncio.wait_for(
-                    self._controller.report.remote(report), timeout=max(2.0, cfg.heartbeat_s)
-                )
-                del self._finished[: len(report.finished)]
-                last_sent = now
-                if counters:
-                    await self.set_tenant_counters(counters)
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # controller restarting or gone: keep serving, retry later
-                log.debug("report failed: %r", e)
-                self._changed = True
-                await asyncio.sleep(min(1.0, 10 * cfg.report_interval_s))
-
-    def _report(self, handle: Any) -> ReplicaReport:
-        # On the engine thread, between steps: a consistent view of the scheduler.
-        s = self.core.scheduler
-        kv = s.kv
-        self._changed = False
-        self._seq += 1
-        cached = kv.gpu_pool.cached
-        running = {r.request_id for r in s.running}
-        # not in the scheduler: ended (its last items on their way) or still being added;
-        # reported as started, so that the controller does not move it as a waiting one
-        held = s.requests
-        num_out = self._num_out
-        hashes = None
-        if len(cached) != self._hash_count or self._seq % 25 == 0:
-            self._hash_count = len(cached)
-            hashes = list(cached)[-4096:]
-        return ReplicaReport(
-            replica_id=self.replica_id,
-            seq=self._seq,
-            max_num_seqs=s.config.max_num_seqs,
-            free_blocks=kv.num_free_blocks,
-            total_blocks=kv.gpu_pool.num_blocks,
-            block_size=kv.block_size,
-            num_waiting=s.num_waiting,
-            num_running=len(s.running),
-            num_swapped=len(s.swapped),
-            num_steps=self.engine.num_steps,
-            # raw (prefill, decode) tokens per tenant: the controller pre-charges prompts at
-            # admission and takes only the decode part
-            service=s.policy.tokens(),
-            finished=list(self._finished),
-            active={
-                rid: (tenant, prio, rid in running or rid not in held, max_tokens, num_out(rid))
-                for rid, (tenant, prio, max_tokens) in list(self._meta.items())
-            },
-            prefix_hashes=hashes,
-            handle=handle,
-        )
-
-    def _num_out(self, rid: str) -> int:
-        request = self.core.scheduler.requests.get(rid)
-        return 0 if request is None else request.num_output_tokens
-
 
 def replica_actor(max_restarts: int = 0):
     """`Replica` as a Ray actor class: one fake-or-real GPU, no CPU reservation."""
-    import ray
-
     return ray.remote(num_gpus=1, num_cpus=0, max_restarts=max_restarts, max_concurrency=1000)(
         Replica
     )

@@ -32,9 +32,6 @@ class ControllerConfig:
     input_weight: float = 1.0
     output_weight: float = 2.0
     stale_assignment_s: float = 30.0  # assigned but never seen by its replica: dropped after
-    # how this controller sends submissions to replicas: "socket" (each replica's channel
-    # socket, falling back to Ray when it cannot be reached) or "ray" (actor calls)
-    submit_transport: str = "socket"
     # "d2lpm" routing (placement.py): a tenant's in-flight locality work per replica is at most
     # d2lpm_quantum x its weight (weighted tokens); a match counts from d2lpm_min_match of the
     # prompt's blocks; a replica is a locality choice while its load <= least load + slack.
@@ -47,10 +44,6 @@ class ControllerConfig:
             raise ValueError(f"routing must be one of {ROUTINGS}, got {self.routing!r}")
         if self.local_queue < 0:
             raise ValueError(f"local_queue must be >= 0, got {self.local_queue}")
-        if self.submit_transport not in ("socket", "ray"):
-            raise ValueError(
-                f"submit_transport must be 'socket' or 'ray', got {self.submit_transport!r}"
-            )
         if not self.d2lpm_quantum > 0 or not 0 < self.d2lpm_min_match <= 1:
             raise ValueError(
                 "d2lpm_quantum must be > 0 and d2lpm_min_match in (0, 1], got "

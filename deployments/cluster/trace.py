@@ -155,7 +155,7 @@ def summarize(
     """Median ms of each hop (`a->b`) over the requests whose `client` point lies in
     [since, until), with `step_cpu`, `step_wait` and `total` (`client->yielded`); `n` is how
     many requests that is. Hops a request does not have (its client was in another process
-    than its trace, a request submitted without forwarding) are left out of that hop."""
+    than its trace) are left out of that hop."""
     rows = [r for r in read(folder).values() if since <= r.get("client", float("-inf")) < until]
     out: dict[str, float] = {"n": len(rows)}
     for a, b in zip(POINTS, POINTS[1:]):

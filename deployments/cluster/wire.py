@@ -34,8 +34,8 @@ class RequestMeta:
     deadline: float | None = None  # the request ends with "timeout"
     queue_deadline: float | None = None  # ... unless it was first scheduled by this one
     # The client's channel id (`ReplicaLink.consumer`): the controller, when it assigns the
-    # request, submits it to the replica itself, with the items going to that channel; the
-    # client only reads them. None: the client submits it (`Assignment.submitted` False).
+    # request, submits it to the replica, with the items going to that channel; the client
+    # reads them. None: nobody reads it (the controller only places it: admission benchmarks)
     consumer: str | None = None
 
     def set_deadlines(self, now: float) -> None:
@@ -90,7 +90,8 @@ class Moved:
 
 @dataclass
 class Assignment:
-    """The controller's answer to admit(): where the request runs."""
+    """The controller's answer to a submission: where the request runs (the controller has
+    submitted it there for its consumer)."""
 
     request_id: str
     replica_id: str
@@ -98,7 +99,6 @@ class Assignment:
     # set when the request left the controller's queue without a replica: "timeout" (its
     # queue deadline passed); the caller ends its stream with it
     finish_reason: str | None = None
-    submitted: bool = False  # the controller has sent it to the replica (`RequestMeta.consumer`)
 
 
 @dataclass

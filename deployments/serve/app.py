@@ -87,11 +87,6 @@ class ServeAppConfig(AppConfig):
     request_timeout_s: float = Field(default=300.0, gt=0)  # admission wait, and between tokens
     metrics_interval_s: float = Field(default=1.0, ge=0)  # gauges refresh; 0 = no metrics
     autoscaling: dict[str, Any] | None = None
-    # How replicas' token streams reach the ingress, and submissions the controller and the
-    # replicas: TCP sockets of their own, or Ray ("ray": about twice the ingress's CPU per
-    # token; for networks that let only Ray's ports through). A socket that cannot be reached
-    # falls back to Ray on its own.
-    channel_transport: Literal["socket", "ray"] = "socket"
 
     @field_validator("num_replicas")
     @classmethod
@@ -160,8 +155,7 @@ class ServeAppConfig(AppConfig):
     def controller_config(self) -> Any:
         from fairbatch.deployments.cluster.fairness import ControllerConfig
 
-        # the controller's submissions to replicas take the channels' transport
-        return ControllerConfig(**{"submit_transport": self.channel_transport, **self.controller})
+        return ControllerConfig(**self.controller)
 
     def autoscaling_config(self) -> Any:
         from fairbatch.deployments.cluster.autoscaling import AutoscalingConfig

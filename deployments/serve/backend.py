@@ -36,7 +36,6 @@ class ClusterBackend:
         admit_timeout_s: float = 120.0,
         item_timeout_s: float = 120.0,
         record_metrics: bool = True,
-        channel_transport: str = "socket",
     ) -> None:
         self.handles = handles
         self.tokenizer = tokenizer
@@ -46,7 +45,6 @@ class ClusterBackend:
             block_size=block_size,
             admit_timeout_s=admit_timeout_s,
             item_timeout_s=item_timeout_s,
-            channel_transport=channel_transport,
         )
         self._metrics = get_metrics() if record_metrics else None
         self._tasks: set[asyncio.Task] = set()

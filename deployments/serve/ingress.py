@@ -97,7 +97,6 @@ class FairbatchIngress(HandleApi):
             admit_timeout_s=cfg.request_timeout_s,
             item_timeout_s=cfg.request_timeout_s,
             record_metrics=cfg.metrics_interval_s > 0,
-            channel_transport=cfg.channel_transport,
         )
         await bind_backend(self.api_app, self.backend)
         if cfg.metrics_interval_s > 0:

@@ -1,12 +1,11 @@
 """The replica side of the serving plane, driven directly (a `Replica` on a sim engine, no Ray
-cluster): one consumer's requests come out as one message per engine step, and a consumer that
-stops reading is dropped with a clear error before the replica's memory grows without bound."""
+cluster): one consumer's requests come out as one message per engine step, a consumer that
+stops reading is dropped with a clear error before the replica's memory grows without bound,
+and what the controller submits for a consumer reaches it once."""
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import socket
 
 import pytest
 
@@ -108,35 +107,41 @@ def test_a_consumer_that_stops_reading_is_dropped_with_an_error():
 
 
 def test_one_bad_request_in_a_batch_is_refused_alone():
+    """A bad request (its prompt over the limit), and a second copy of one in the same batch,
+    are refused; the others run. The refused one ends with one error item in its consumer's
+    channel; the copy adds nothing (the one running is its request)."""
+
     async def main():
         rep = replica(time_scale=1.0)  # steps of modelled length: r0 still runs for the 3rd
         channel = rep.channel("c")
         too_long = RequestMeta("long", list(range(10, 2010)), SamplingParams(max_tokens=4))
         errors = await rep.submit("c", [meta(0, 6), too_long, meta(0, 6), meta(1, 6)])
-        items = await read_until_finished(channel, 2)
+        items = await read_until_finished(channel, 3)
         await rep.engine.shutdown()
         return rep, errors, items
 
     rep, errors, items = run(main())
     assert errors[0] is None and errors[3] is None
     assert errors[1].startswith("ValueError") and "r0" in errors[2] and "duplicate" in errors[2]
-    done = {it.request_id: it.finish_reason for it in items if it.finished}
-    assert done == {"r0": "length", "r1": "length"}  # the good ones ran, nothing of the others
+    done = [(it.request_id, it.finish_reason) for it in items if it.finished]
+    assert sorted(done) == [("long", "error"), ("r0", "length"), ("r1", "length")]
+    assert [len(it.token_ids) for it in items if it.request_id == "long"] == [0]
+    assert sum(len(it.token_ids) for it in items if it.request_id == "r0") == 6
     assert "long" not in rep._routes and rep.core.scheduler.kv.all_free()
 
 
-def test_a_forwarded_submission_refused_or_repeated_reaches_its_consumer_once():
-    """The controller submits for the consumer (`forwarded`): nobody waits for the answer, so a
-    refused request ends with an error item in the consumer's channel, and the same request
-    forwarded again (a restarted controller placing it anew) is the one already running."""
+def test_a_submission_refused_or_repeated_reaches_its_consumer_once():
+    """The controller submits for the consumer: nobody waits for the answer, so a refused
+    request ends with an error item in the consumer's channel, and the same request submitted
+    again (a restarted controller placing it anew) is the one already running."""
 
     async def main():
         rep = replica(time_scale=1.0)  # steps of modelled length: r0 still runs for the 3rd
         channel = rep.channel("c")
         too_long = RequestMeta("long", list(range(10, 2010)), SamplingParams(max_tokens=4))
-        first = await rep.submit("c", [meta(0, 6), too_long], forwarded=True)
-        again = await rep.submit("c", [meta(0, 6)], forwarded=True)
-        elsewhere = await rep.submit("other", [meta(0, 6)], forwarded=True)  # another consumer
+        first = await rep.submit("c", [meta(0, 6), too_long])
+        again = await rep.submit("c", [meta(0, 6)])
+        elsewhere = await rep.submit("other", [meta(0, 6)])  # another consumer
         items = await read_until_finished(channel, 2)
         other = rep._boxes["other"].take()
         await rep.engine.shutdown()
@@ -158,18 +163,19 @@ def test_a_dead_consumers_late_submissions_are_refused_not_run(monkeypatch):
     """Once the owner check finds a consumer dead, its requests are aborted, and what the
     controller still forwards for it (its requests queued there) is refused: an orphan would
     otherwise run to its last token with nobody reading. Other consumers are served."""
+    from fairbatch.deployments.cluster import channel as channel_module
     from fairbatch.deployments.cluster import replica as replica_module
 
     async def dead(owner, timeout_s):
         return owner == ActorOwner("dead-owner")
 
-    monkeypatch.setattr(replica_module, "owner_is_dead", dead)
+    monkeypatch.setattr(channel_module, "owner_is_dead", dead)
 
     async def main():
         rep = replica()
         first = await rep.submit("c", [meta(0, 400)], owner=ActorOwner("dead-owner"))
         await rep._check_owner(rep._boxes["c"])
-        late = await rep.submit("c", [meta(1, 400), meta(2, 400)], forwarded=True)
+        late = await rep.submit("c", [meta(1, 400), meta(2, 400)])
         moved = await rep.adopt("c", object())
         left = await rep.engine.call(rep.core.has_unfinished)
         other = rep.channel("d")
@@ -204,43 +210,18 @@ class _Handle:
                 yield ref
 
         self.channel = _Method(channel)
-        self.channel_socket = _Method(rep.channel_socket)
 
 
-def _unreachable(offer):
-    """`offer` on a port with nothing listening on it (a firewall between the nodes)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return dataclasses.replace(offer, port=port)
-
-
-class _UnreachableSocket(_Handle):
-    """Its replica offers a socket nobody can reach (a firewall between the nodes)."""
-
-    def __init__(self, rep: Replica) -> None:
-        super().__init__(rep)
-
-        async def channel_socket(consumer, owner):
-            return _unreachable(await rep.channel_socket(consumer, owner))
-
-        self.channel_socket = _Method(channel_socket)
-
-
-@pytest.mark.parametrize("transport", ["socket", "ray", "unreachable_socket"])
-def test_items_of_an_expected_request_wait_for_its_queue(transport):
-    """Items of a request the controller forwarded can come before its client has opened the
+def test_items_of_an_expected_request_wait_for_its_queue():
+    """Items of a request the controller submitted can come before its client has opened the
     request's queue (it has not heard the assignment yet): the link keeps those of the
-    requests its client expects until `open`, and drops the rest. The same over each
-    transport; a socket that cannot be reached falls back to Ray."""
+    requests its client expects until `open`, and drops the rest."""
     from fairbatch.deployments.cluster.channel import ReplicaLink
 
     async def main():
         rep = replica()
-        handle = (_UnreachableSocket if transport == "unreachable_socket" else _Handle)(rep)
-        kind = "ray" if transport == "ray" else "socket"
-        link = ReplicaLink("rep", handle, "c", None, expected={"r0"}, transport=kind)
-        assert await rep.submit("c", [meta(0, 5), meta(1, 5)], forwarded=True) == [None] * 2
+        link = ReplicaLink("rep", _Handle(rep), "c", None, expected={"r0"})
+        assert await rep.submit("c", [meta(0, 5), meta(1, 5)]) == [None] * 2
         for _ in range(2000):
             if not rep._routes:  # both finished and sent
                 break
@@ -265,62 +246,41 @@ class _Recorder:
     """A replica actor handle for an in-process controller: records `submit` calls."""
 
     def __init__(self, calls: list) -> None:
-        async def submit(consumer, metas, owner, forwarded):
-            calls.append((self, consumer, [m.request_id for m in metas], owner, forwarded))
+        async def submit(consumer, metas, owner):
+            calls.append((self, consumer, [m.request_id for m in metas], owner))
             return [None] * len(metas)
 
         self.submit = _Method(submit)
 
 
-class _Preemptible(_Handle):
-    """`_Handle` with the replica's call socket, recording the preemptions that come over Ray;
-    `reachable` False: its socket offers a port nobody listens on."""
+class _Preemptible:
+    """A replica actor handle for an in-process controller: `preempt` on the `Replica`."""
 
-    def __init__(self, rep: Replica, over_ray: list, reachable: bool = True) -> None:
-        super().__init__(rep)
-
-        async def call_socket(caller):
-            offer = await rep.call_socket(caller)
-            return offer if reachable else _unreachable(offer)
-
-        async def preempt(request_id, mode):
-            over_ray.append(request_id)
-            return await rep.preempt(request_id, mode)
-
-        self.call_socket = _Method(call_socket)
-        self.preempt = _Method(preempt)
+    def __init__(self, rep: Replica) -> None:
+        self.preempt = _Method(rep.preempt)
 
 
-@pytest.mark.parametrize("reachable", [True, False])
-def test_the_controllers_preemption_goes_over_the_replicas_socket(reachable):
-    """A coordinated preemption reaches its replica as a call on the replica's socket, where
-    the forwards go (so it starts there before the submission it makes room for); over Ray
-    only when that socket cannot be reached. Either way the request is preempted once."""
+def test_the_controllers_preemption_preempts_its_request_on_the_replica_once():
     from fairbatch.deployments.cluster.controller import Controller
     from fairbatch.deployments.cluster.fairness import ControllerConfig
     from fairbatch.deployments.cluster.tickets import Preempt
 
     async def main():
         rep = replica(time_scale=1.0)
-        over_ray: list = []
-        handle = _Preemptible(rep, over_ray, reachable)
         ctl = Controller(ControllerConfig(local_queue=0))
         channel = rep.channel("c")
         assert await rep.submit("c", [meta(0, 400)]) == [None]
         while not rep.core.scheduler.running:  # it started
             await asyncio.sleep(0.01)
-        await ctl._preempt(Preempt("rep", "r0", "recompute"), handle)
-        preempted = rep.core.scheduler.num_preemptions["recompute"]
+        await ctl._preempt(Preempt("rep", "r0", "recompute"), _Preemptible(rep))
+        preempted = dict(rep.core.scheduler.num_preemptions)
         await rep.abort("r0")
         await read_until_finished(channel, 1)
-        for client in ctl._calls.values():
-            client.close()
         await rep.engine.shutdown()
-        return over_ray, preempted
+        return preempted
 
-    over_ray, preempted = run(main())
-    assert preempted == 1
-    assert over_ray == ([] if reachable else ["r0"])
+    preempted = run(main())
+    assert preempted.get("recompute") == 1 and sum(preempted.values()) == 1
 
 
 def report(replica_id: str, handle, seats: int):
@@ -336,7 +296,7 @@ def test_forwards_carry_the_consumers_owner_and_a_dead_subscribers_queue_is_canc
     (replica, consumer), so a replica watches a consumer that has not opened a channel there;
     once that process is dead, its requests still queued are cancelled, its assignment stream
     ends and nothing is kept for it."""
-    from fairbatch.deployments.cluster import replica as replica_module
+    from fairbatch.deployments.cluster import channel as channel_module
     from fairbatch.deployments.cluster.controller import Controller
     from fairbatch.deployments.cluster.fairness import ControllerConfig
 
@@ -345,7 +305,7 @@ def test_forwards_carry_the_consumers_owner_and_a_dead_subscribers_queue_is_canc
     async def dead(of, timeout_s):
         return of == owner
 
-    monkeypatch.setattr(replica_module, "owner_is_dead", dead)
+    monkeypatch.setattr(channel_module, "owner_is_dead", dead)
 
     def forwarded(i: int, consumer: str) -> RequestMeta:
         m = meta(i, 100)
@@ -378,9 +338,9 @@ def test_forwards_carry_the_consumers_owner_and_a_dead_subscribers_queue_is_canc
     calls, placed, queued, ended, after, left = run(main())
     # every placed request was forwarded; the owner went with the first forward to each replica
     assert sorted(r for c in calls for r in c[2]) == sorted(a.request_id for a in placed)
-    assert len(placed) == 4 and all(c[1] == "c1" and c[4] for c in calls)
+    assert len(placed) == 4 and all(c[1] == "c1" for c in calls)
     owners: dict[int, list] = {}
-    for handle, _, _, sent, _ in calls:
+    for handle, _, _, sent in calls:
         owners.setdefault(id(handle), []).append(sent)
     assert list(owners.values()) == [[owner, None], [owner, None]]
     assert queued == {"default": 2} and after == {}  # the two queued ones were cancelled

@@ -15,11 +15,11 @@ import time
 import pytest
 import ray
 
-from fairbatch.deployments.cluster.channel import ActorOwner, DriverOwner
+from fairbatch.deployments.cluster.channel import ActorOwner, DriverOwner, owner_is_dead
 from fairbatch.deployments.cluster.client import ClusterClient
 from fairbatch.deployments.cluster.fairness import ControllerConfig
 from fairbatch.deployments.cluster.launch import NAMESPACE, start_cluster
-from fairbatch.deployments.cluster.replica import ReplicaConfig, owner_is_dead
+from fairbatch.deployments.cluster.replica import ReplicaConfig
 from fairbatch.engine.sampling_params import SamplingParams
 
 SEATS = 2

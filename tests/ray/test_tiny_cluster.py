@@ -78,31 +78,26 @@ def test_migration_with_kv_matches_undisturbed(cluster, params):
     assert stats["imported_kv_blocks"] > 0  # K/V travelled (swap-in), not a recompute
 
 
-def test_controller_submits_for_the_client_with_the_same_tokens(cluster):
-    """By default the controller submits an assigned request to its replica itself
-    (`Assignment.submitted`), one hop before the client could; with `forward=False` the
-    client does. Same tokens either way, and through both replicas."""
+def test_controller_submits_for_the_client_the_tokens_of_the_offline_engine(cluster):
+    """The controller submits each assigned request to its replica for the client, which only
+    reads the items: across both replicas, token for token what the tiny model makes offline
+    (the same requests through `LLM.generate` in this process)."""
+    from fairbatch.engine import LLM
 
-    async def run(forward: bool) -> tuple[list[dict], list[bool]]:
-        client = ClusterClient(cluster.controller, item_timeout_s=60, forward=forward)
-        flags: list[bool] = []
-        results = await asyncio.gather(
-            *(
-                collect(
-                    client, prompt(30 + i), GREEDY, on_assign=lambda a: flags.append(a.submitted)
-                )
-                for i in range(6)
-            )
-        )
-        return list(results), flags
+    prompts = [prompt(30 + i) for i in range(6)]
+    offline = LLM("tiny", num_gpu_blocks=64, max_model_len=512).generate(
+        prompts, GREEDY, use_tqdm=False
+    )
 
-    forwarded, flags = asyncio.run(run(True))
-    submitted, own = asyncio.run(run(False))
-    assert flags == [True] * 6 and own == [False] * 6
-    assert len({r["replicas"][0] for r in forwarded}) == 2  # both replicas took some
-    for f, s in zip(forwarded, submitted):
-        assert f["tokens"] == s["tokens"] and len(f["tokens"]) == 40
-        assert f["finish_reason"] == s["finish_reason"] == "length"
+    async def run() -> list[dict]:
+        client = ClusterClient(cluster.controller, item_timeout_s=60)
+        return list(await asyncio.gather(*(collect(client, p, GREEDY) for p in prompts)))
+
+    served = asyncio.run(run())
+    assert len({r["replicas"][0] for r in served}) == 2  # both replicas took some
+    for r, ref in zip(served, offline):
+        assert r["tokens"] == list(ref.token_ids) and len(r["tokens"]) == 40
+        assert r["finish_reason"] == "length"
 
 
 def test_a_request_cancelled_before_its_client_heard_the_assignment_ends_on_its_replica(cluster):
@@ -145,7 +140,7 @@ def test_the_assignment_stream_sends_each_replica_handle_once(cluster):
     Assignment (each one is deserialized where the stream is read); a new stream (the client
     re-subscribed) sends them again. The client's batcher puts them back: every Assignment it
     resolves holds its replica's handle."""
-    from fairbatch.deployments.cluster.client import AdmissionBatcher
+    from fairbatch.deployments.cluster.admission import AdmissionBatcher
     from fairbatch.deployments.cluster.wire import RequestMeta
 
     ctl = cluster.controller
@@ -200,7 +195,7 @@ def test_a_request_of_a_higher_class_does_not_wait_for_a_batch(cluster):
     """The batcher holds admissions for `linger_s` so that a burst goes in one call, but not
     one of a class above 0: with a 3 s linger, a class-1 admission is assigned within a 1.5 s
     timeout, where a class-0 one is still held when its timeout ends."""
-    from fairbatch.deployments.cluster.client import AdmissionBatcher
+    from fairbatch.deployments.cluster.admission import AdmissionBatcher
     from fairbatch.deployments.cluster.wire import RequestMeta
 
     ctl = cluster.controller

@@ -15,7 +15,7 @@ from fairbatch.benchmarks.serving_path import (
     sim_offline_run,
     workload,
 )
-from fairbatch.deployments.cluster.replica import ReplicaConfig, build_core
+from fairbatch.deployments.cluster.replica_config import ReplicaConfig, build_core
 from fairbatch.engine import SamplingParams
 from fairbatch.engine.tokenizer import Tokenizer
 
@@ -30,7 +30,6 @@ def args(**kw) -> argparse.Namespace:
         max_num_seqs=4,
         num_gpu_blocks=64,
         intervals="50",
-        channels="socket",
         proxy=False,
         rounds=1,
         sim_time_scale=1.0,
@@ -83,3 +82,17 @@ def test_the_default_paths_are_those_the_model_runs():
     assert choose_paths("handle,offline", tiny) == ["handle", "offline"]
     with pytest.raises(SystemExit, match="unknown nope"):
         choose_paths("offline,nope", tiny)
+
+
+def test_a_model_directory_replaces_the_tiny_model_where_it_can(tmp_path):
+    """`--model DIR` runs a checkpoint in `offline` and the Serve paths; the tiny-only paths
+    drop out, a path that is no directory and a model with --sim-time-scale are refused."""
+    wl = workload(args(sim_time_scale=0.0, model=str(tmp_path)))
+    assert wl["model"] == str(tmp_path)
+    assert choose_paths(None, wl) == ["offline", "serve_http", "handle"]
+    with pytest.raises(SystemExit, match="tiny model only"):
+        choose_paths("engines", wl)
+    with pytest.raises(SystemExit, match="model directory"):
+        workload(args(sim_time_scale=0.0, model=str(tmp_path / "missing")))
+    with pytest.raises(SystemExit, match="not with --model"):
+        workload(args(model=str(tmp_path)))
