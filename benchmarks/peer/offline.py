@@ -21,7 +21,9 @@ import math
 import os
 import platform
 import random
+import shlex
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -252,6 +254,7 @@ def main(args: Any) -> int:
     """`fairbatch bench engine --peer vllm ...`; returns the exit code."""
     from fairbatch.benchmarks.checkpoints import describe, resolve_model
 
+    load_start = [round(x, 2) for x in os.getloadavg()]
     try:
         python = check_peer_python(args.peer_python)
         model_dir = resolve_model(args.model, args.dtype)
@@ -260,9 +263,16 @@ def main(args: Any) -> int:
     except (PeerError, ValueError) as e:
         print(f"fairbatch bench engine: {e}", flush=True)
         return 1
+    summary["command"] = "fairbatch " + shlex.join(sys.argv[1:])
     summary["model"] = args.model if not Path(args.model).is_dir() else str(model_dir)
     summary["shape"] = describe(model_dir)
-    summary["machine"] = {"cpus": os.cpu_count(), "python": platform.python_version()}
+    summary["machine"] = {
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        # other jobs on the machine: rounds alternate so both engines share their load
+        "loadavg_start": load_start,
+        "loadavg_end": [round(x, 2) for x in os.getloadavg()],
+    }
     print(format_table(summary))
     if args.json:
         Path(args.json).write_text(compact_json(summary) + "\n")
