@@ -392,6 +392,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--rounds", type=_positive(int), default=2, help="rounds per engine, alternated")
     g.add_argument("--seed", type=int, default=0, help="of the random prompts")
+    g.add_argument(
+        "--threads",
+        type=_positive(int),
+        help="compute threads of each engine (fairbatch's torch threads; vLLM's bound cores); "
+        "default: every core",
+    )
     eng.set_defaults(func=_bench_engine)
     clu = bench_sub.add_parser(
         "cluster", help="fairness controller: admissions/s, latency, fairness vs baselines"

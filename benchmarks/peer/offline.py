@@ -69,6 +69,7 @@ def settings_for(args: Any, model_dir: Path) -> dict[str, Any]:
         "kv_tokens": kv_tokens,
         "block_size": args.peer_block_size,
         "warmup_tokens": 4,
+        "threads": getattr(args, "threads", None),
     }
 
 
@@ -80,6 +81,8 @@ class FairbatchSide:
 
         from fairbatch.engine import LLM, SamplingParams
 
+        if settings.get("threads"):
+            torch.set_num_threads(settings["threads"])
         t0 = time.perf_counter()
         self.llm = LLM(
             settings["model"],
@@ -175,6 +178,7 @@ def summarize(
         "kv_tokens": settings["kv_tokens"],
         "dtype": settings["dtype"],
         "rounds": len(fb_rounds),
+        "threads": settings.get("threads"),
     }
     return {
         "kind": "peer_engine",
@@ -230,7 +234,8 @@ def run(
             print(text, flush=True)
 
     say(f"starting the peer ({python}) and fairbatch's engine on {settings['model']}")
-    with PeerProcess(python, peer_script, settings, env=peer_env()) as peer:
+    env = peer_env(threads=settings.get("threads"))
+    with PeerProcess(python, peer_script, settings, env=env) as peer:
         fb = fairbatch_side(settings)
         # Wait for the peer before measuring: its compile must not overlap fairbatch's rounds.
         ready = peer.read(READY_TIMEOUT_S)

@@ -39,14 +39,17 @@ def check_peer_python(path: str | None) -> str:
     return str(p)
 
 
-def peer_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment vLLM's CPU build needs here, unless the caller's already sets it."""
+def peer_env(extra: dict[str, str] | None = None, threads: int | None = None) -> dict[str, str]:
+    """The environment vLLM's CPU build needs here, unless the caller's already sets it.
+    `threads`: bind vLLM's compute threads to that many cores (default: every core)."""
     env = dict(os.environ)
     # Else vLLM's processes talk over the host's external address.
     env.setdefault("VLLM_HOST_IP", "127.0.0.1")
     # vLLM's "auto" binding keeps a core for its front end; use every core this process may.
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    if cores:
+    if threads:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in cores[:threads])
+    elif cores:
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(str(c) for c in cores))
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.update(extra or {})
