@@ -114,7 +114,7 @@ def build_engine(
     dev = torch.device(device)
     m, config, tok, eos = load_model(model, dev, dtype, attn_backend)
     if dev.type == "cpu":
-        m.column_major_linears()
+        m.pack_for_cpu()
     param_dtype = next(m.parameters()).dtype
     backend = m.attn_backend(dev, param_dtype)  # raises if it cannot run this model here
     try:

@@ -25,6 +25,10 @@ from fairbatch.engine.attention import (
     get_attn_backend,
 )
 from fairbatch.engine.config import ModelConfig
+from fairbatch.engine.ops import linear, pack_linears
+
+# Rows of a step the CPU runs through a layer's MLP at once (DecoderLayer.forward).
+CPU_MLP_ROWS = 256
 
 
 class RMSNorm(nn.Module):
@@ -160,7 +164,15 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         h = self.input_layernorm(x)
         x = x + self.self_attn(rope, h, kv_cache, meta, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        if x.device.type != "cpu" or x.shape[0] <= CPU_MLP_ROWS:
+            return x + self.mlp(self.post_attention_layernorm(x))
+        # A long prefill's MLP on the CPU, a slice of rows at a time: its [rows, 2 * I]
+        # intermediates then stay in cache instead of streaming through memory (the same
+        # values: every row is computed alone).
+        for start in range(0, x.shape[0], CPU_MLP_ROWS):
+            part = x[start : start + CPU_MLP_ROWS]
+            part += self.mlp(self.post_attention_layernorm(part))
+        return x
 
 
 class LlamaModel(nn.Module):
@@ -216,15 +228,11 @@ class LlamaForCausalLM(nn.Module):
             c.num_attention_heads // c.num_key_value_heads, c.sliding_window,
         )  # fmt: skip
 
-    @torch.no_grad()
-    def column_major_linears(self) -> None:
-        """Store each linear layer's weight column-major: the same `[out, in]` values, laid out
-        as its contiguous transpose. For the few rows of a decode step, MKL's sgemm repacks a
-        row-major weight on every call but multiplies a column-major one in place: the step's
-        projections take about half the time on CPU, with the same results."""
-        for module in self.modules():
-            if isinstance(module, nn.Linear):
-                module.weight.data = module.weight.data.t().contiguous().t()
+    def pack_for_cpu(self) -> None:
+        """Run the linear layers through oneDNN with prepacked weights (engine/ops.py); on
+        the CPU only, after the weights are loaded. The tied output projection keeps reading
+        the embedding table (`compute_logits`)."""
+        pack_linears(self)
 
     def attn_backend(self, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
         if self._backend is None:
@@ -251,8 +259,9 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden [n, hidden] -> [n, vocab] float32; callers pass only the rows they sample.
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        return linear(hidden, self.model.embed_tokens.weight).float()
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
