@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -254,6 +255,8 @@ def run(args: Any) -> int:
             return 1
     summary = {
         "kind": "peer_serve",
+        "command": "fairbatch " + shlex.join(sys.argv[1:]),
+        "loadavg_end": [round(x, 2) for x in os.getloadavg()],  # other jobs on the machine
         "model": checkpoint,
         "shape": describe(model_dir),
         "engine": eng,
