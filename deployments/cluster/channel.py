@@ -39,7 +39,7 @@ class ActorOwner:
     """The owner of a consumer that runs in an actor (an ingress replica, a handle caller's
     actor): the actor's id, which the GCS's actor table checks. Not the actor's handle: a
     process deserializes a handle by importing the actor's class, and for a Ray Serve replica
-    that imports Ray Serve (~0.6 s on this machine), on the event loop of the replica or
+    that imports Ray Serve (most of a second), on the event loop of the replica or
     controller that received it - the first requests of every new ingress waited that long."""
 
     actor_id: str  # hex

@@ -81,10 +81,9 @@ Ctrl-C stops it.
 
 def direct_ingress_env(port: int) -> None:
     """Ray Serve's direct ingress for the local Ray `fairbatch serve` starts: no HTTP proxy, the
-    ingress replica listens on `port` itself (the next ports for more ingress replicas). One
-    hop less per streamed chunk: on a 2-core machine about twice the tokens/s through HTTP
-    (docs/BENCHMARKS.md). Variables already set win. Read by Ray when it starts, so this must
-    run before `ray.init`."""
+    ingress replica listens on `port` itself (the next ports for more ingress replicas): one
+    hop less per streamed chunk. Variables already set win. Read by Ray when it starts, so this
+    must run before `ray.init`."""
     os.environ.setdefault("RAY_SERVE_ENABLE_DIRECT_INGRESS", "1")
     os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT", str(port))
     os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT", str(port + 64))
@@ -98,19 +97,16 @@ def worker_priority_env() -> None:
     """Ray runs its worker processes (replicas, controller, ingress) at niceness 15 by default
     (`worker_niceness`), so any ordinary process on the same machine - a load generator, a
     script, a build - takes the CPU first. On a machine whose job is serving that inverts the
-    priorities: with a client at niceness 0 on a 2-core machine, the ingress's event loop lagged
-    up to 81 ms at p99 and refusals took 77 ms at p99; with the app at the client's niceness,
-    12 ms and 20 ms (docs/BENCHMARKS.md). `fairbatch serve` starts
-    a Ray of its own, so its workers get the niceness of the process that starts it. A set
-    variable wins. Read by Ray when it starts: call before `ray.init`."""
+    priorities: the ingress's event loop then waits behind a busy client. `fairbatch serve`
+    starts a Ray of its own, so its workers get the niceness of the process that starts it. A
+    set variable wins. Read by Ray when it starts: call before `ray.init`."""
     os.environ.setdefault("RAY_worker_niceness", "0")
 
 
 def grpc_handles_env() -> None:
     """Serve handles call over gRPC instead of through Ray's object store
     (`RAY_SERVE_USE_GRPC_BY_DEFAULT`, Ray 2.60): for the handle API's callers in this Ray (other
-    Serve apps, this process). With the serving-path benchmark's handle workload on 2 cores the
-    caller spent half the CPU per token and the ingress 10-25% less (docs/BENCHMARKS.md). Read
+    Serve apps, this process): less CPU per streamed item for the caller and the ingress. Read
     when `ray.serve` is imported: call before that. A set variable wins."""
     os.environ.setdefault("RAY_SERVE_USE_GRPC_BY_DEFAULT", "1")
 
