@@ -29,12 +29,34 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from fairbatch.engine.tiny import tiny_config
+
 SEED = 0
 BUILD_VERSION = 1  # part of the cache key: raise it when the weights a build writes change
 INIT_RANGE = 0.2
 VOCAB = 2048  # the shipped tokenizer's ids; ids 0-3 are its special tokens
 # The shipped tokenizer's special ids (engine/assets/tiny_generation_config.json).
 BOS_ID, EOS_IDS = 0, [1, 3]
+
+
+def _tiny_shape() -> dict[str, Any]:
+    """The embedded tiny model's shape (engine/tiny.py), as an HF Llama config."""
+    c = tiny_config(vocab_size=2048)
+    keys = (
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "max_position_embeddings",
+        "rms_norm_eps",
+        "rope_theta",
+    )
+    shape = {k: getattr(c, k) for k in keys}
+    return dict(
+        architectures=[c.architecture], model_type="llama", **shape, tie_word_embeddings=False
+    )
+
 
 SHAPES: dict[str, dict[str, Any]] = {
     "qwen2.5-0.5b": dict(
@@ -76,19 +98,7 @@ SHAPES: dict[str, dict[str, Any]] = {
         attention_bias=False,
         mlp_bias=False,
     ),
-    "tiny": dict(
-        architectures=["LlamaForCausalLM"],
-        model_type="llama",
-        hidden_size=256,
-        intermediate_size=688,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        max_position_embeddings=2048,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
-    ),
+    "tiny": _tiny_shape(),
 }
 DEFAULT_SHAPE = "qwen2.5-0.5b"  # what benchmarks measure unless told otherwise
 DTYPES = ("float32", "bfloat16")
