@@ -1,5 +1,8 @@
 """The shape of a Llama-family model, read from a Hugging Face `config.json`.
 
+Qwen3 adds a per-head RMSNorm on q and k (`qk_norm`); Qwen3-MoE also replaces some layers'
+MLPs by sparse mixture-of-experts blocks (`num_experts` > 0, layers picked by `is_moe_layer`).
+
 A pure dataclass: building one never touches the disk, so the scheduler, the simulated runner and
 tests can describe a model without a checkpoint. `from_hf_dict` takes the parsed `config.json`
 (both the transformers 4.x layout, `rope_theta` + `rope_scaling`, and the 5.x layout,
@@ -7,8 +10,9 @@ tests can describe a model without a checkpoint. `from_hf_dict` takes the parsed
 
 Sliding-window attention (Mistral): implemented. A window `w` means query position `p` sees keys
 `p - w + 1 .. p`, as Hugging Face masks it. A window at least as long as
-`max_position_embeddings` can never bind, so it is dropped. Qwen2's per-layer windows
-(`use_sliding_window` with `max_window_layers`) are not implemented and raise.
+`max_position_embeddings` can never bind, so it is dropped. The Qwen families'
+`use_sliding_window` (Qwen2/Qwen3: windows on the layers past `max_window_layers`) is not
+implemented and raises.
 """
 
 from __future__ import annotations
@@ -16,12 +20,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-# Architecture name in `config.json` -> HF `model_type`; the decoder is the same for all three.
+# Architecture name in `config.json` -> HF `model_type`; one decoder (engine/model.py) runs
+# them all, the differences being flags of ModelConfig.
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "MistralForCausalLM": "mistral",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
+QWEN3_FAMILY = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 # rope_type values whose inv_freq we compute exactly as transformers does.
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 
@@ -45,6 +53,14 @@ class ModelConfig:
     mlp_bias: bool = False
     tie_word_embeddings: bool = False
     sliding_window: int | None = None  # None: full causal attention
+    qk_norm: bool = False  # RMSNorm over each q and k head before RoPE (Qwen3)
+    # Mixture of experts (Qwen3-MoE); num_experts 0 means every layer has a dense MLP.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
+    mlp_only_layers: tuple[int, ...] = ()  # layers that keep a dense MLP
+    decoder_sparse_step: int = 1  # layer i is sparse when (i + 1) % step == 0
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     architecture: str = "LlamaForCausalLM"
@@ -60,6 +76,22 @@ class ModelConfig:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(_unsupported(self.architecture))
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok ({self.num_experts_per_tok}) must be in "
+                f"1..num_experts ({self.num_experts})"
+            )
+        if self.decoder_sparse_step < 1:
+            raise ValueError(f"decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}")
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Whether layer `layer_idx` has a sparse MoE block (else a dense MLP), the rule of
+        transformers' Qwen3MoeDecoderLayer."""
+        return (
+            self.num_experts > 0
+            and layer_idx not in self.mlp_only_layers
+            and (layer_idx + 1) % self.decoder_sparse_step == 0
+        )
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -81,6 +113,9 @@ class ModelConfig:
             qkv_bias, o_bias, mlp_bias = True, False, False  # Qwen2 always has qkv bias
         elif architecture == "MistralForCausalLM":
             qkv_bias, o_bias, mlp_bias = False, False, False
+        elif architecture in QWEN3_FAMILY:
+            qkv_bias = o_bias = bool(d.get("attention_bias", False))  # one flag, all four
+            mlp_bias = False
         else:
             qkv_bias = o_bias = bool(d.get("attention_bias", False))
             mlp_bias = bool(d.get("mlp_bias", False))
@@ -92,7 +127,7 @@ class ModelConfig:
             num_hidden_layers=int(d["num_hidden_layers"]),
             num_attention_heads=num_heads,
             num_key_value_heads=int(d.get("num_key_value_heads") or num_heads),
-            head_dim=int(d.get("head_dim") or hidden // num_heads),
+            head_dim=int(d.get("head_dim") or _default_head_dim(architecture, hidden, num_heads)),
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
@@ -106,6 +141,8 @@ class ModelConfig:
             eos_token_ids=eos_ids(d.get("eos_token_id")),
             architecture=architecture,
             dtype=d.get("torch_dtype") or d.get("dtype"),
+            qk_norm=architecture in QWEN3_FAMILY,
+            **_moe(d, architecture),
         )
 
 
@@ -136,6 +173,28 @@ def _architecture(d: dict[str, Any]) -> str:
     return by_type[model_type]
 
 
+def _default_head_dim(architecture: str, hidden: int, num_heads: int) -> int:
+    # Qwen3's config class defaults head_dim to 128 rather than deriving it (its checkpoints
+    # always write it; a dict built in code may not).
+    return 128 if architecture in QWEN3_FAMILY else hidden // num_heads
+
+
+def _moe(d: dict[str, Any], architecture: str) -> dict[str, Any]:
+    if architecture != "Qwen3MoeForCausalLM":
+        return {}
+    # transformers 5 saves `num_experts` under its attribute_map name `num_local_experts`;
+    # the published checkpoints write `num_experts`.
+    num_experts = int(d.get("num_experts", d.get("num_local_experts", 128)))  # HF's default
+    return dict(
+        num_experts=num_experts,
+        num_experts_per_tok=int(d.get("num_experts_per_tok", 8)) if num_experts else 0,
+        moe_intermediate_size=int(d.get("moe_intermediate_size", 768)),
+        norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+        mlp_only_layers=tuple(int(i) for i in d.get("mlp_only_layers") or ()),
+        decoder_sparse_step=int(d.get("decoder_sparse_step", 1)),
+    )
+
+
 def _rope(d: dict[str, Any], max_pos: int) -> tuple[float, dict[str, Any] | None]:
     # transformers 5 writes `rope_parameters` (theta inside); 4.x writes `rope_theta` and an
     # optional `rope_scaling` whose type key is `rope_type` or, older still, `type`.
@@ -159,13 +218,10 @@ def _rope(d: dict[str, Any], max_pos: int) -> tuple[float, dict[str, Any] | None
 
 def _sliding_window(d: dict[str, Any], architecture: str, max_pos: int) -> int | None:
     window = d.get("sliding_window")
-    if architecture == "Qwen2ForCausalLM":
-        # Qwen2 checkpoints carry a window that is off unless use_sliding_window says so.
+    if architecture in ("Qwen2ForCausalLM", *QWEN3_FAMILY):
+        # Qwen checkpoints carry a window that is off unless use_sliding_window says so.
         if d.get("use_sliding_window") and window is not None and window < max_pos:
-            raise NotImplementedError(
-                "Qwen2 use_sliding_window (per-layer windows via max_window_layers) is not "
-                "implemented"
-            )
+            raise NotImplementedError(f"{architecture} use_sliding_window is not implemented")
         return None
     if architecture == "MistralForCausalLM" and window is not None and int(window) < max_pos:
         return int(window)

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, Qwen2, Mistral) over one flattened, paged batch.
+"""Llama-family decoder (Llama, Qwen2, Mistral, Qwen3, Qwen3-MoE) over one flattened, paged batch.
 
 A step's tokens from many sequences (prefill chunks and decode tokens alike) are concatenated
 into `[num_tokens]`; `positions` gives each token's absolute position and `AttentionMetadata`
@@ -6,7 +6,9 @@ says which sequence it belongs to and where its K/V go. Every projection runs on
 tokens; only attention looks at sequence boundaries.
 
 Numerics follow transformers token for token: RMSNorm in float32, RoPE cos/sin from float32
-positions times float32 inverse frequencies, then cast to the activation dtype.
+positions times float32 inverse frequencies, then cast to the activation dtype. Qwen3's q/k
+norms run per head on the projections, before RoPE, as transformers' Qwen3Attention does.
+Qwen3-MoE's sparse blocks live in engine/mlp.py.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ import math
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from fairbatch.engine.attention import (
@@ -25,6 +26,7 @@ from fairbatch.engine.attention import (
     get_attn_backend,
 )
 from fairbatch.engine.config import ModelConfig
+from fairbatch.engine.mlp import MLP, SparseMoeBlock
 from fairbatch.engine.ops import linear, pack_linears
 
 # Rows of a step the CPU runs through a layer's MLP at once (DecoderLayer.forward).
@@ -107,6 +109,9 @@ class Attention(nn.Module):
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
         )
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
+        # Qwen3: RMSNorm over each head's head_dim, one weight shared by all q (k) heads.
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(
         self,
@@ -118,8 +123,12 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
-        # q and k rotate alike: one RoPE over their heads side by side, [T, H + Hkv, D]
-        qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim), *rope)
+        qk = qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim)  # [T, H + Hkv, D]
+        if self.q_norm is not None:
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
+        # q and k rotate alike: one RoPE over their heads side by side
+        qk = apply_rope(qk, *rope)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H, D], [T, Hkv, D]
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         # Write first: attention reads this step's keys back from the cache with the context.
@@ -129,30 +138,17 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(t, self.q_size))  # [T, hidden]
 
 
-class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.intermediate_size = config.intermediate_size
-        # gate and up fused into one matmul: rows [0, I) gate, [I, 2I) up.
-        self.gate_up_proj = nn.Linear(
-            config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias
-        )
-        self.down_proj = nn.Linear(
-            config.intermediate_size, config.hidden_size, bias=config.mlp_bias
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # [T, I] each
-        return self.down_proj(F.silu(gate) * up)  # [T, hidden]
-
-
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp: nn.Module = (
+            SparseMoeBlock(config)
+            if config.is_moe_layer(layer_idx)
+            else MLP(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        )
 
     def forward(
         self,
@@ -180,12 +176,14 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.rotary = RotaryEmbedding(config)  # cos/sin shared by all layers; no parameters
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i) for i in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
-    """Llama / Qwen2 / Mistral for inference over paged KV caches.
+    """Llama / Qwen2 / Mistral / Qwen3 / Qwen3-MoE for inference over paged KV caches.
 
     `attn_backend`: a name from `ATTENTION_BACKENDS`, or None for automatic choice; it is
     resolved on the first forward, against the device and dtype the model then runs on.
@@ -295,14 +293,23 @@ class LlamaForCausalLM(nn.Module):
             names.append("lm_head.weight")
         projections = [("self_attn", p, c.attention_bias) for p in ("q_proj", "k_proj", "v_proj")]
         projections.append(("self_attn", "o_proj", c.o_proj_bias))
-        projections += [("mlp", p, c.mlp_bias) for p in ("gate_proj", "up_proj", "down_proj")]
+        dense = [("mlp", p, c.mlp_bias) for p in ("gate_proj", "up_proj", "down_proj")]
+        # A sparse layer: the router, then each expert's SwiGLU (HF's per-expert names).
+        sparse = [("mlp", "gate", False)] + [
+            (f"mlp.experts.{e}", p, False)
+            for e in range(c.num_experts)
+            for p in ("gate_proj", "up_proj", "down_proj")
+        ]
         for i in range(c.num_hidden_layers):
             prefix = f"model.layers.{i}"
             names += [
                 f"{prefix}.input_layernorm.weight",
                 f"{prefix}.post_attention_layernorm.weight",
             ]
-            for module, proj, bias in projections:
+            if c.qk_norm:
+                names += [f"{prefix}.self_attn.q_norm.weight", f"{prefix}.self_attn.k_norm.weight"]
+            mlp = sparse if c.is_moe_layer(i) else dense
+            for module, proj, bias in projections + mlp:
                 names.append(f"{prefix}.{module}.{proj}.weight")
                 if bias:
                     names.append(f"{prefix}.{module}.{proj}.bias")
@@ -312,7 +319,7 @@ class LlamaForCausalLM(nn.Module):
         # HF name -> (our parameter, row range inside it for the fused projections)
         c = self.config
         q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-        inter = c.intermediate_size
+        inter = c.moe_intermediate_size if ".experts." in hf_name else c.intermediate_size
         fused = {
             "q_proj": ("qkv_proj", (0, q)),
             "k_proj": ("qkv_proj", (q, q + kv)),
