@@ -82,6 +82,9 @@ LLAMA32 = dict(  # Llama-3.2-1B's shape (benchmarks' "llama-3.2-1b"), narrower a
     },
 )
 SHAPES = {"qwen3": QWEN3, "qwen3_moe": QWEN3_MOE, "llama3.2": LLAMA32}
+# Checked on logits only: Qwen3's attention_bias puts a bias on q, k, v and o alike.
+LOGITS_ONLY = {"qwen3_bias": dict(QWEN3, attention_bias=True, tie_word_embeddings=False)}
+ALL_SHAPES = {**SHAPES, **LOGITS_ONLY}
 
 
 def _perturb_norms(path: Path, seed: int) -> None:
@@ -101,9 +104,10 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory):
 
     def get(name: str) -> Path:
         if name not in built:
-            shape = SHAPES[name]
-            path = checkpoints.build_checkpoint(root / name, checkpoints.hf_config(shape))
-            _perturb_norms(path, seed=len(built))
+            path = checkpoints.build_checkpoint(
+                root / name, checkpoints.hf_config(ALL_SHAPES[name])
+            )
+            _perturb_norms(path, seed=list(ALL_SHAPES).index(name))
             built[name] = path
         return built[name]
 
@@ -140,10 +144,12 @@ def test_checkpoints_keep_the_structure(ckpts) -> None:
     assert (ckpts("qwen3") / "tokenizer.json").is_file()
 
 
-@pytest.mark.parametrize("name", sorted(SHAPES))
+@pytest.mark.parametrize("name", sorted(ALL_SHAPES))
 def test_logits_match_transformers(name: str, ckpts, hf_models) -> None:
     """One paged prefill of several prompts: every position's logits equal HF's."""
     model, config, _ = load_hf_model(ckpts(name))
+    if name == "qwen3_bias":
+        assert config.attention_bias and config.o_proj_bias
     hf = hf_models(name)
     rng = random.Random(0)
     prompts = [[rng.randrange(4, VOCAB) for _ in range(n)] for n in (5, 1, 23, 40)]
