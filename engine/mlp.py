@@ -60,7 +60,7 @@ class SparseMoeBlock(nn.Module):
         weights, experts = probs.topk(self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights.to(x.dtype), experts
+        return weights.to(logits.dtype), experts  # back to the activation dtype, as HF casts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
