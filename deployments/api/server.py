@@ -274,6 +274,8 @@ class _Api:
         )
         try:
             first = await until_disconnect(request, it.__anext__())
+            if first.finished and first.finish_reason == "error" and not first.token_ids:
+                raise RuntimeError("the backend failed the request before its first token")
             self.metrics.first_token(ticket, first)
         except BaseException as e:
             await close_stream(it)

@@ -1,7 +1,13 @@
 """A client process's admissions, batched: one `submit_many` call per burst of requests, one
 long-lived `assignments` stream per process and event loop carrying the controller's answers.
 Per-request actor calls would cost each client and the controller an actor call per request;
-batches amortize that."""
+batches amortize that.
+
+Two bounds on the wait: a request the controller has not acknowledged (`submit_many`'s answer)
+within `ack_timeout_s` fails with `AdmissionTimeout` (the controller is down, or restarting for
+longer than that); one it holds waits in its queue up to the caller's overall `timeout_s` (and
+its own `max_queue_time_s`, which the controller enforces). A controller restart voids every
+acknowledgement: the requests are submitted again and the bound starts again."""
 
 from __future__ import annotations
 
@@ -9,12 +15,25 @@ import asyncio
 import logging
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from fairbatch.deployments.cluster import trace
 from fairbatch.deployments.cluster.wire import RequestMeta
 
 log = logging.getLogger(__name__)
+
+
+class AdmissionTimeout(TimeoutError):
+    """The fairness controller did not take the request in time (or never answered)."""
+
+
+@dataclass
+class _Pending:
+    meta: RequestMeta
+    fut: asyncio.Future
+    since: float  # loop time the current wait for an acknowledgement began
+    acked: bool = False
 
 
 class AdmissionBatcher:
@@ -40,7 +59,7 @@ class AdmissionBatcher:
         self.loop = asyncio.get_running_loop()
         self.base_id = uuid.uuid4().hex
         self.generation = 0
-        self.pending: dict[str, tuple[RequestMeta, asyncio.Future]] = {}
+        self.pending: dict[str, _Pending] = {}
         self.outbox: list[RequestMeta] = []
         self.kick = asyncio.Event()
         self.hurry = False  # a request of a class above 0 is in the outbox: no linger
@@ -52,15 +71,33 @@ class AdmissionBatcher:
     def subscriber(self) -> str:
         return f"{self.base_id}.{self.generation}"
 
-    async def admit(self, meta: RequestMeta, timeout_s: float):
-        fut = self.loop.create_future()
-        self.pending[meta.request_id] = (meta, fut)
+    async def admit(self, meta: RequestMeta, timeout_s: float, ack_timeout_s: float):
+        """The request's Assignment. Raises AdmissionTimeout when the controller has not
+        acknowledged it within `ack_timeout_s` (counted again after each restart), or when
+        `timeout_s` passes in all."""
+        loop = self.loop
+        p = _Pending(meta, loop.create_future(), loop.time())
+        self.pending[meta.request_id] = p
         self.outbox.append(meta)
         if meta.priority > 0:
             self.hurry = True
         self.kick.set()
+        deadline = loop.time() + timeout_s
         try:
-            return await asyncio.wait_for(asyncio.shield(fut), timeout_s)
+            while True:
+                now = loop.time()
+                if now >= deadline:
+                    raise AdmissionTimeout(f"not placed within {timeout_s:g}s")
+                if not p.acked and now >= p.since + ack_timeout_s:
+                    raise AdmissionTimeout(
+                        f"the fairness controller did not take the request within "
+                        f"{ack_timeout_s:g}s (it may be restarting)"
+                    )
+                wait = deadline - now if p.acked else min(deadline, p.since + ack_timeout_s) - now
+                try:
+                    return await asyncio.wait_for(asyncio.shield(p.fut), wait)
+                except asyncio.TimeoutError:
+                    continue  # (acknowledged meanwhile, or a restart began its wait again)
         finally:
             self.pending.pop(meta.request_id, None)
 
@@ -83,8 +120,13 @@ class AdmissionBatcher:
                 if trace.ON:
                     for m in batch:
                         trace.mark(m.request_id, "submit_sent")
+                generation = self.generation
                 ref = self.controller().submit_many.remote(self.subscriber, batch)
-                await asyncio.wait_for(ref, timeout=30.0)
+                held = await asyncio.wait_for(ref, timeout=30.0)
+                for rid in held if generation == self.generation else ():  # (not a dead one's)
+                    p = self.pending.get(rid)
+                    if p is not None:
+                        p.acked = True
                 delay = 0.05
             except asyncio.CancelledError:
                 raise
@@ -112,22 +154,27 @@ class AdmissionBatcher:
                     sent, batch = await ref
                     handles.update(sent)
                     for a in batch:
-                        entry = self.pending.get(a.request_id)
-                        if entry is not None and not entry[1].done():
+                        p = self.pending.get(a.request_id)
+                        if p is not None and not p.fut.done():
                             if a.replica is None:  # the stream sent its handle once, before
                                 a.replica = handles.get(a.replica_id)
-                            entry[1].set_result(a)
+                            p.fut.set_result(a)
             except asyncio.CancelledError:
                 raise
             except Exception as e:
                 log.info("assignment stream broke (%r); re-subscribing", e)
             # A new subscriber id, so a stale stream can never take our items; then resubmit
-            # what is still waiting (already placed ones get their assignment re-sent).
+            # what is still waiting (already placed ones get their assignment re-sent). What
+            # the old controller acknowledged, the restarted one may not hold.
             self.subscribed.clear()
             previous = self.subscriber
             self.generation += 1
+            now = self.loop.time()
+            for p in self.pending.values():
+                if p.acked:  # (one never taken keeps its first deadline: retries don't extend it)
+                    p.acked, p.since = False, now
             await asyncio.sleep(delay)
             delay = min(1.0, delay * 2)
             queued = {m.request_id for m in self.outbox}
-            self.outbox.extend(m for rid, (m, _) in self.pending.items() if rid not in queued)
+            self.outbox.extend(p.meta for rid, p in self.pending.items() if rid not in queued)
             self.kick.set()

@@ -24,6 +24,7 @@ from fairbatch.deployments.cluster.wire import Assignment, RequestMeta
 log = logging.getLogger(__name__)
 
 _END = object()  # put in a subscriber's outbox: its assignment stream ends
+MAX_SUCCESSORS = 4096  # re-subscriptions remembered (a few per client process and restart)
 
 
 class ClientSide:
@@ -45,9 +46,17 @@ class ClientSide:
         self._owner_sent: set[tuple[str, str]] = set()
         self._last_subscriber_check = 0.0
         self._checking_subscribers = False
+        # subscriber id -> the id its client re-subscribed under (its stream broke): a
+        # submission sent under the old id that arrives late (Ray retries a call across a
+        # restart) is answered on the new stream, not on one nobody reads
+        self._successor: dict[str, str] = {}
 
-    async def submit_many(self, subscriber: str, metas: list[RequestMeta]) -> None:
+    async def submit_many(self, subscriber: str, metas: list[RequestMeta]) -> list[str]:
+        """Queue (or place) `metas` for `subscriber`'s stream. Returns their ids: the
+        client's acknowledgement that this controller holds them (queued or placed)."""
         self._background()
+        while subscriber in self._successor:
+            subscriber = self._successor[subscriber]
         outbox = self._outbox(subscriber)
         owner = self._subscriber_owner.get(subscriber)
         for meta in metas:
@@ -63,6 +72,7 @@ class ClientSide:
             self._owner[rid] = subscriber
             if rid not in self.core.tickets:
                 self._apply(self.core.submit(meta))
+        return [m.request_id for m in metas]
 
     @ray.method(max_task_retries=0)  # a retried stream would skip items: re-subscribe instead
     async def assignments(self, subscriber: str, owner: Any = None, replaces: str | None = None):
@@ -167,6 +177,9 @@ class ClientSide:
         `successor` (the same client under a new id), if any."""
         self._subscriber_owner.pop(subscriber, None)
         if successor is not None:
+            self._successor[subscriber] = successor
+            if len(self._successor) > MAX_SUCCESSORS:  # the oldest are long answered
+                del self._successor[next(iter(self._successor))]
             for rid, sub in self._owner.items():
                 if sub == subscriber:
                     self._owner[rid] = successor

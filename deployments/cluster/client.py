@@ -14,7 +14,9 @@ It follows the request wherever it goes:
     the first item's `prompt_logprobs` and `num_cached_tokens` reach the caller once (the
     resubmission does not ask for prompt logprobs again once the caller has them);
   * the controller is restarting: the batcher re-subscribes and submits again what is still
-    pending (idempotent per request id), until `admit_timeout_s`.
+    pending (idempotent per request id); a request no controller has taken within
+    `admission_timeout_s` ends with an error (the API's 503 + Retry-After), one queued there
+    within `admit_timeout_s` in all.
 Every channel names its process as its owner (the actor it runs in, or a driver's job), so the
 controller can cancel what a client process that died still had queued and a replica can abort
 what it had running (Ray does not stop either stream when its reader dies).
@@ -68,10 +70,12 @@ class ClusterClient:
         admit_timeout_s: float = 120.0,
         item_timeout_s: float = 120.0,
         max_resubmits: int = 8,
+        admission_timeout_s: float = 30.0,
     ) -> None:
         self.controller = controller  # actor handle, or its name
         self.block_size = block_size
         self.admit_timeout_s = admit_timeout_s
+        self.admission_timeout_s = admission_timeout_s
         self.item_timeout_s = item_timeout_s
         self.max_resubmits = max_resubmits
         # requests admitted here and not ended: the controller submits each to its replica
@@ -268,7 +272,7 @@ class ClusterClient:
         loop = asyncio.get_running_loop()
         if self._batcher is None or self._batcher.loop is not loop:
             self._batcher = AdmissionBatcher(self._controller, owner=self.owner())
-        return await self._batcher.admit(meta, self.admit_timeout_s)
+        return await self._batcher.admit(meta, self.admit_timeout_s, self.admission_timeout_s)
 
     async def _report_failure(self, replica_id: str) -> None:
         try:

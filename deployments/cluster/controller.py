@@ -338,7 +338,8 @@ class Controller(ClientSide):
                 handle = self.handles.get(action.replica_id)
                 if handle is not None and meta is not None and meta.consumer is not None:
                     forwards.setdefault((action.replica_id, meta.consumer), []).append(meta)
-                self._answer(rid, Assignment(rid, action.replica_id, handle))
+                else:
+                    self._answer(rid, Assignment(rid, action.replica_id, handle))
             elif isinstance(action, Expire):  # dropped from the queue: the caller ends it
                 rid = action.ticket.request_id
                 self._answer(rid, Assignment(rid, "", None, finish_reason=action.finish_reason))
@@ -349,8 +350,11 @@ class Controller(ClientSide):
             elif isinstance(action, Migrate):
                 self._spawn(self._migrate(action))
         for (replica_id, consumer), metas in forwards.items():
-            # Sent now, awaited in a task: the request reaches its replica one hop sooner than
-            # through its client (which hears the assignment meanwhile and reads the items).
+            # Sent now, awaited in a task that then tells the clients where their requests
+            # run: a client never hears of a replica that does not hold its request (were this
+            # controller to die between the two, the client still waits for its admission and
+            # submits it again to the restarted one). The items do not wait for that answer:
+            # the client keeps those of requests it expects until it opens them.
             # The consumer's owner goes along the first time, so the replica watches it even
             # if it dies before opening its channel there.
             owner = None
@@ -368,13 +372,18 @@ class Controller(ClientSide):
         self, replica_id: str, handle: Any, consumer: str, metas: list[RequestMeta], owner: Any
     ) -> None:
         """Submit `metas` to their replica for `consumer` (idempotent per request id: a
-        restarted controller may place a request again). A request the replica refused ended
-        there with an error item to its client; here it leaves its slot."""
+        restarted controller may place a request again), then answer their clients. A request
+        the replica refused ended there with an error item to its client; here it leaves its
+        slot."""
         try:
             errors = await handle.submit.remote(consumer, metas, owner)
         except Exception as e:  # the replica died: its clients resubmit (the link breaks)
             log.info("forwarding %d request(s) failed: %r", len(metas), e)
-            return
+            errors = []
+        finally:  # (cancelled with the actor: nothing is left to answer on)
+            for meta in metas:
+                rid = meta.request_id
+                self._answer(rid, Assignment(rid, replica_id, handle))
         refused = [m.request_id for m, error in zip(metas, errors) if error]
         for rid in refused:
             self.core.cancel(rid)

@@ -85,6 +85,10 @@ class ServeAppConfig(AppConfig):
     access_log: bool = False
     startup_timeout_s: float = Field(default=600.0, gt=0)  # cluster up (models loaded)
     request_timeout_s: float = Field(default=300.0, gt=0)  # admission wait, and between tokens
+    # A request the fairness controller has not taken within this (it is restarting, or down)
+    # ends with 503 + Retry-After; once it holds the request, queueing is bounded by the
+    # request's max_queue_time_s and by request_timeout_s.
+    admission_timeout_s: float = Field(default=30.0, gt=0)
     metrics_interval_s: float = Field(default=1.0, ge=0)  # gauges refresh; 0 = no metrics
     autoscaling: dict[str, Any] | None = None
 

@@ -35,6 +35,7 @@ class ClusterBackend:
         block_size: int = 16,
         admit_timeout_s: float = 120.0,
         item_timeout_s: float = 120.0,
+        admission_timeout_s: float = 30.0,
         record_metrics: bool = True,
     ) -> None:
         self.handles = handles
@@ -45,6 +46,7 @@ class ClusterBackend:
             block_size=block_size,
             admit_timeout_s=admit_timeout_s,
             item_timeout_s=item_timeout_s,
+            admission_timeout_s=admission_timeout_s,
         )
         self._metrics = get_metrics() if record_metrics else None
         self._tasks: set[asyncio.Task] = set()

@@ -19,7 +19,9 @@ returns both.
 
 A call is admitted exactly as an HTTP request is (the tenant's quota and in-flight bounds,
 the model's context length); a refusal raises `HandleRejected` (status 429/503 and
-`retry_after`), a bad request `ValueError`. Handle callers are code inside the cluster, so
+`retry_after`), a bad request `ValueError`; a request the backend failed to serve (no replica
+or fairness controller could take it in time) raises `HandleRejected` with status 503, before
+or after its first chunk. Handle callers are code inside the cluster, so
 they name the tenant (no key) and may set `priority`; the tenant must exist in the config
 (or be the anonymous default tenant when that is allowed). Breaking out of the stream (or
 cancelling the call) aborts the request and frees its KV blocks.
@@ -204,8 +206,12 @@ class HandleApi:
                         "completion_tokens": ticket.completion_tokens,
                         "total_tokens": ticket.prompt_tokens + ticket.completion_tokens,
                     }
-                    if outcome == "error":
-                        raise RuntimeError("the model backend failed to serve this request")
+                    if outcome == "error":  # retryable, as the API's 503
+                        raise HandleRejected(
+                            503, "backend_unavailable",
+                            "the model backend failed to serve this request; retry later",
+                            api.limits.retry_after_s,
+                        )  # fmt: skip
                 yield chunk
                 if d.finished:
                     break

@@ -96,6 +96,7 @@ class FairbatchIngress(HandleApi):
             block_size=replica_cfg.block_size,
             admit_timeout_s=cfg.request_timeout_s,
             item_timeout_s=cfg.request_timeout_s,
+            admission_timeout_s=cfg.admission_timeout_s,
             record_metrics=cfg.metrics_interval_s > 0,
         )
         await bind_backend(self.api_app, self.backend)

@@ -48,6 +48,10 @@ class ScriptedBackend:
                 raise ValueError("the backend refuses this prompt")
             if self.mode == "fail_start":
                 raise RuntimeError("replica died")
+            if self.mode == "fail_first":  # an error item before any token (admission failed)
+                finished = True
+                yield StreamItem([], "", True, "error", error="admission failed")
+                return
             yield StreamItem([65], "A", False)
             if self.mode == "fail_mid":
                 raise RuntimeError("replica died mid-stream")
@@ -161,12 +165,23 @@ def test_backend_refusal_is_400(served):
     assert app.state.registry.tenants["a"].tokens_charged == charged  # the prompt is refunded
 
 
-@pytest.mark.parametrize("mode", ["fail_start", "fail_mid", "abort"])
+@pytest.mark.parametrize("mode", ["fail_start", "fail_first", "fail_mid", "abort"])
 def test_backend_failure_is_503_not_500(served, mode):
     c, backend, _ = served
     backend.mode = mode
     body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "x"}]}
     r = c.post("/v1/chat/completions", json=body)
+    assert r.status_code == 503 and r.headers["retry-after"] == "1"
+    assert r.json()["error"]["code"] == "backend_unavailable"
+
+
+@pytest.mark.parametrize("mode", ["fail_start", "fail_first"])
+def test_backend_failure_before_the_first_token_is_503_when_streaming_too(served, mode):
+    """Nothing was streamed yet: the client gets a status it can retry on, not a 200 whose
+    stream holds only an error event."""
+    c, backend, _ = served
+    backend.mode = mode
+    r = c.post("/v1/completions", json=comp(stream=True))
     assert r.status_code == 503 and r.headers["retry-after"] == "1"
     assert r.json()["error"]["code"] == "backend_unavailable"
 
