@@ -132,7 +132,13 @@ def build_engine(
         head_major=backend.head_major,
     )
     max_len = min(max_model_len or config.max_position_embeddings, config.max_position_embeddings)
-    use_graphs = dev.type == "cuda" and backend.supports_cuda_graphs and not enforce_eager
+    # A mixture-of-experts layer sizes its expert groups from the data: no CUDA graph for it.
+    use_graphs = (
+        dev.type == "cuda"
+        and backend.supports_cuda_graphs
+        and not enforce_eager
+        and not config.num_experts
+    )
     if num_gpu_blocks is None:
         if dev.type == "cuda":
             profile = profile_cuda_memory(

@@ -66,7 +66,7 @@ class SparseMoeBlock(nn.Module):
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
                 "a mixture-of-experts layer cannot be captured in a CUDA graph (its expert "
-                "groups have data-dependent sizes); run the engine with enforce_eager=True"
+                "groups have data-dependent sizes); the engine runs such models eagerly"
             )
         weights, experts = self.route(x)
         out = torch.zeros_like(x)
