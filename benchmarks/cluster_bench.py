@@ -166,7 +166,7 @@ def ray_admissions(num_replicas: int = 4, sizes: tuple[int, ...] = (1000, 4000))
 
             async def one(meta: RequestMeta) -> None:
                 t0 = time.perf_counter()
-                await batcher.admit(meta, 120.0)
+                await batcher.admit(meta, 120.0, 120.0)
                 lat.append(time.perf_counter() - t0)
 
             t0 = time.perf_counter()

@@ -173,7 +173,7 @@ def test_the_assignment_stream_sends_each_replica_handle_once(cluster):
         batcher = AdmissionBatcher(lambda: ctl)
         got = []
         for _ in range(2):  # the second time every handle came before
-            got += await asyncio.gather(*(batcher.admit(m, 30) for m in metas))
+            got += await asyncio.gather(*(batcher.admit(m, 30, 30) for m in metas))
         batcher.flusher.cancel()
         batcher.reader.cancel()
         return got
@@ -206,7 +206,7 @@ def test_a_request_of_a_higher_class_does_not_wait_for_a_batch(cluster):
     async def admit(meta: RequestMeta):
         batcher = AdmissionBatcher(lambda: ctl, linger_s=3.0)
         try:
-            return await batcher.admit(meta, 1.5)
+            return await batcher.admit(meta, 1.5, 1.5)
         except asyncio.TimeoutError:
             return None
         finally:
