@@ -111,8 +111,9 @@ class AppConfig(_Strict):
     # (Llama 3.2, Llama 4). None: "auto" is a 400.
     tool_call_parser: Literal["hermes", "llama3_json", "mistral", "pythonic"] | None = None
     # Chat replies of a reasoning model: "deepseek_r1" returns the text up to </think> as
-    # `reasoning_content` (deployments/api/reasoning.py). None: the output is the content.
-    reasoning_parser: Literal["deepseek_r1"] | None = None
+    # `reasoning_content` (deployments/api/reasoning.py); "qwen3" the same for an output that
+    # opens with <think> (none with enable_thinking false). None: the output is the content.
+    reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = None
     # Cluster-layer settings (replicas, routing, engine kwargs) are passed through untouched
     # for the app builder; the ingress itself does not read them.
     num_replicas: int = Field(default=1, ge=1)

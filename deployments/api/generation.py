@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse
 
 from fairbatch.deployments.api import schemas as S
 from fairbatch.deployments.api.http import SSEResponse, read_json, validate
+from fairbatch.deployments.api.reasoning import mode as reasoning_mode
 from fairbatch.deployments.api.responses import (
     ResponseRun,
     collect_choices,
@@ -136,10 +137,11 @@ async def _chat_runs(
     body.check_unsupported()
     body.check_stream_options()
     messages = body.chat_messages()
+    kwargs = S.template_kwargs(body.chat_template_kwargs)
     try:
         # `tools` as Hugging Face passes them (None without): templates that know tool use
-        # render them into the prompt
-        text = api.tokenizer.apply_chat_template(messages, tools=body.tools)
+        # render them into the prompt; `chat_template_kwargs` go with them
+        text = api.tokenizer.apply_chat_template(messages, tools=body.tools, **kwargs)
     except Exception as e:  # the template's own checks (roles, order) raise ValueError
         msg = str(e) if isinstance(e, ValueError) else "the chat template cannot render these"
         raise bad_request(msg[:500], "messages") from None
@@ -153,7 +155,8 @@ async def _chat_runs(
         max_tokens, top_n, stop, vocab=api.tokenizer.vocab_size, deadlines=tenant.deadlines
     )
     cfg = api.config
-    plan = await chat_plan(body, cfg.tool_call_parser, cfg.reasoning_parser)
+    reasoning = reasoning_mode(cfg.reasoning_parser, kwargs, text)
+    plan = await chat_plan(body, cfg.tool_call_parser, reasoning)
     params = with_plan(params, plan)
     launched = await api.launch(request, tenant, prefix, [(ids, params)])
     return [

@@ -1,4 +1,5 @@
-"""`reasoning_parser: deepseek_r1`: a reasoning model's thinking comes back apart from its answer.
+"""`reasoning_parser` (`deepseek_r1`, `qwen3`): a reasoning model's thinking comes back apart from
+its answer.
 
 DeepSeek-R1 and the models distilled from it (Qwen2 and Llama checkpoints) think first and then
 answer: their chat templates end the prompt with `<think>`, so the output is the reasoning up to
@@ -9,6 +10,15 @@ message's `reasoning_content` (the field DeepSeek's own API uses) and streamed a
 the calls are read from it (deployments/api/tool_parsers.py). An output without `</think>` is all
 reasoning, with content null, as in vLLM. A request with a grammar (`response_format`, a forced
 tool call) is not split: the grammar holds from its first token, so there is no thinking.
+
+`qwen3` (vLLM's name) differs where Qwen3 does: the hybrid models write `<think>` themselves
+when they think, so only an output that opens with `<think>` is split; one that does not is
+the answer, all content (as vLLM's parser returns an output without think tags). With
+`chat_template_kwargs: {"enable_thinking": false}` the template closes an empty think block in
+the prompt and nothing is split (vLLM's parser reads the same kwarg). A template that opens the
+block in the prompt (Qwen3's Thinking-2507 models end it with `<think>`) makes the output start
+inside the thinking, as with deepseek_r1; one that closes it there (any prompt ending `</think>`)
+leaves nothing to split. See `mode`.
 
 Streamed, text that may be the start of `</think>` is held until it is known; log-probs go out
 with the text they score, as with tool calls.
@@ -25,7 +35,26 @@ from typing import Any
 from fairbatch.deployments.api.schemas import finish_reason
 from fairbatch.deployments.api.tool_parsers import split_at
 
-PARSERS = ("deepseek_r1",)
+PARSERS = ("deepseek_r1", "qwen3")
+
+# How one output is split (`mode`): "open" starts inside the thinking (a leading <think> is
+# dropped), "tag" thinks only when the output opens with <think>, "off" is all content.
+MODES = ("open", "tag", "off")
+
+
+def mode(parser: str | None, template_kwargs: dict[str, Any] | None, prompt: str) -> str | None:
+    """The split of a chat reply under the app's `reasoning_parser` (None: no parser), from the
+    request's `chat_template_kwargs` and the rendered prompt text."""
+    if parser is None:
+        return None
+    if parser == "deepseek_r1":
+        return "open"  # (its templates end the prompt with <think>)
+    if (template_kwargs or {}).get("enable_thinking") is False:  # as the template tests it
+        return "off"
+    end = prompt.rstrip()
+    if end.endswith(ReasoningSplit.END):  # the prompt closed the block: no thinking follows
+        return "off"
+    return "open" if end.endswith(ReasoningSplit.START) else "tag"
 
 
 class ReasoningSplit:
@@ -34,22 +63,32 @@ class ReasoningSplit:
 
     START, END = "<think>", "</think>"
 
-    def __init__(self, inner: Any = None) -> None:
+    def __init__(self, inner: Any = None, mode: str = "open") -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.inner = inner
-        self.thinking = True  # before </think>
+        self.mode = mode
+        self.thinking = mode != "off"  # before </think>
+        self.skipped = mode == "off"  # no thinking in this output: it is all content
         self.opened = False  # past where a leading <think> would be
         self.buf = ""  # held text
         self.reasoning: list[str] = []  # the reasoning that went out
         self.records: list[Any] = []  # log-prob records of held text
-        self.reasoning_tokens = 0  # output tokens up to the one that completes </think>
+        self._counted = 0  # output tokens up to the one that completes </think>
         self._tail: str | None = ""  # the counted text's end (None: </think> was seen)
+
+    @property
+    def reasoning_tokens(self) -> int:
+        """Output tokens up to the one that completes </think> (all of them when it never
+        comes); 0 where the output did not think."""
+        return 0 if self.skipped else self._counted
 
     def count(self, text: str, num_tokens: int) -> None:
         """Count one engine delta (its text and number of tokens) toward `reasoning_tokens`:
         every delta until, and with, the one whose text completes </think>."""
         if self._tail is None:
             return
-        self.reasoning_tokens += num_tokens
+        self._counted += num_tokens
         seen = self._tail + text
         self._tail = None if self.END in seen else seen[-(len(self.END) - 1) :]
 
@@ -61,6 +100,9 @@ class ReasoningSplit:
                 self.buf, self.opened = head[len(self.START) :], True
             elif final or not self.START.startswith(head):
                 self.opened = True
+                if self.mode == "tag":  # it answers without thinking: all content
+                    self.thinking, self.skipped, self.buf = False, True, ""
+                    return "", head
             else:
                 return "", ""  # (still a start of <think>)
         out, rest = split_at(self.buf, self.END, final)

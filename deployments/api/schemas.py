@@ -6,8 +6,9 @@ Requests are pydantic models in strict mode: `"temperature": "0.5"` or `"max_tok
 `content`) are checked by hand so their errors read plainly.
 
 Extensions beyond OpenAI, as vLLM names them: `top_k`, `min_p`, `repetition_penalty`,
-`ignore_eos`; and deadlines, in seconds from arrival: `timeout` (the request ends with finish
-reason "timeout", with what it produced) and `max_queue_time_s` (until it is first scheduled).
+`ignore_eos`, chat's `chat_template_kwargs`; and deadlines, in seconds from arrival: `timeout`
+(the request ends with finish reason "timeout", with what it produced) and `max_queue_time_s`
+(until it is first scheduled).
 """
 
 from __future__ import annotations
@@ -284,6 +285,33 @@ class ChatMessage(_Body):
         return content
 
 
+# What the chat template render passes itself (and its helpers): `chat_template_kwargs` may not
+# name them. The others go to the template as they are, as Hugging Face's apply_chat_template
+# passes its extra kwargs (a name the template does not use changes nothing).
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
+        "bos_token", "eos_token", "raise_exception", "strftime_now", "chat_template", "tokenize",
+    }
+)  # fmt: skip
+
+
+def template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """`chat_template_kwargs` checked: a JSON object whose names are not the render's own."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise bad_request("chat_template_kwargs must be a JSON object", "chat_template_kwargs")
+    taken = sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
+    if taken:
+        raise bad_request(
+            f"chat_template_kwargs cannot set {', '.join(taken)}: the server renders "
+            "the template with its own",
+            "chat_template_kwargs",
+        )
+    return dict(kwargs)
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
@@ -294,6 +322,8 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Any = None  # "none" | "auto" | "required" | {"type": "function", ...}
     parallel_tool_calls: bool | None = None  # false: "auto" returns one call (forced: one)
     response_format: dict[str, Any] | None = None
+    # passed to the chat template's render, as vLLM does (e.g. {"enable_thinking": false})
+    chat_template_kwargs: dict[str, Any] | None = None
     # Accepted with nothing to do, as on /v1/responses: nothing is stored, prompts are
     # prefix-cached by their tenant's salt, there is one service tier.
     store: bool | None = None

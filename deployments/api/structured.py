@@ -64,12 +64,13 @@ class ToolPlan:
 class ChatPlan:
     grammar: GrammarSpec | None = None
     tools: ToolPlan | AutoToolPlan | None = None
-    reasoning: bool = False  # the output's thinking is split off (deployments/api/reasoning.py)
+    # the output's thinking is split off, in this mode (deployments/api/reasoning.py); None: not
+    reasoning: str | None = None
 
     def converter(self) -> Any:
         """A fresh converter of one output into the reply's message (None: plain content)."""
         out = tool_stream(self.tools) if self.tools is not None else None
-        return ReasoningSplit(out) if self.reasoning else out
+        return ReasoningSplit(out, self.reasoning) if self.reasoning is not None else out
 
 
 def _checked(spec: GrammarSpec, param: str) -> GrammarSpec:
@@ -187,13 +188,11 @@ def tool_plan(
     return _checked(spec, "tools"), ToolPlan((name,), name)
 
 
-async def chat_plan(
-    body: Any, parser: str | None = None, reasoning_parser: str | None = None
-) -> ChatPlan:
-    """The grammar and tool plan of a chat request (`parser`, `reasoning_parser`: the app's
-    tool_call_parser and reasoning_parser); a forced call wins over a response_format, and a
-    grammar turns the reasoning split off. Runs off the event loop: the first use imports
-    xgrammar."""
+async def chat_plan(body: Any, parser: str | None = None, reasoning: str | None = None) -> ChatPlan:
+    """The grammar and tool plan of a chat request (`parser`: the app's tool_call_parser;
+    `reasoning`: the reasoning split's mode, `reasoning.mode`, None without a parser); a forced
+    call wins over a response_format, and a grammar turns the reasoning split off. Runs off the
+    event loop: the first use imports xgrammar."""
 
     def plan() -> ChatPlan:
         used = tool_plan(body.tools, body.tool_choice, parser, body.parallel_tool_calls)
@@ -210,8 +209,8 @@ async def chat_plan(
     got = ChatPlan()
     if not (body.response_format is None and body.tools is None and body.tool_choice is None):
         got = await asyncio.to_thread(plan)
-    if reasoning_parser is not None and got.grammar is None:
-        got = dataclasses.replace(got, reasoning=True)
+    if reasoning is not None and got.grammar is None:
+        got = dataclasses.replace(got, reasoning=reasoning)
     return got
 
 

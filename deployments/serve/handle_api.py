@@ -39,7 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from fairbatch.deployments.api.coalesce import coalesce
 from fairbatch.deployments.api.config import format_validation_error
 from fairbatch.deployments.api.http import close_stream
-from fairbatch.deployments.api.schemas import ApiError
+from fairbatch.deployments.api.schemas import ApiError, template_kwargs
 from fairbatch.deployments.api.tenants import Admission, Rejected
 from fairbatch.deployments.cluster.wire import FIRST_ONLY
 from fairbatch.engine.sampling_params import MAX_DEADLINE_S, SamplingParams
@@ -68,6 +68,9 @@ class GenerateRequest(BaseModel):
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     messages: list[dict[str, Any]] | None = None  # rendered with the model's chat template
+    # with `messages`: passed to the template's render (e.g. {"enable_thinking": False}), as the
+    # HTTP API's chat field of the same name
+    chat_template_kwargs: dict[str, Any] | None = None
     tenant: str | None = None  # None = the anonymous default tenant
     priority: int | None = Field(default=None, ge=-1000, le=1000)  # None = the tenant's
     request_id: str | None = Field(default=None, min_length=1, max_length=128)
@@ -89,6 +92,13 @@ class GenerateRequest(BaseModel):
         given = [x is not None for x in (self.prompt, self.prompt_token_ids, self.messages)]
         if sum(given) != 1:
             raise ValueError("give exactly one of prompt, prompt_token_ids, messages")
+        if self.chat_template_kwargs is not None:
+            if self.messages is None:
+                raise ValueError("chat_template_kwargs go with messages")
+            try:
+                template_kwargs(self.chat_template_kwargs)
+            except ApiError as e:
+                raise ValueError(e.message) from None
         return self
 
 
@@ -226,7 +236,9 @@ class HandleApi:
         if req.prompt_token_ids is not None:
             return api.check_ids(list(req.prompt_token_ids))
         if req.messages is not None:
-            text = api.tokenizer.apply_chat_template(req.messages)
+            text = api.tokenizer.apply_chat_template(
+                req.messages, **(req.chat_template_kwargs or {})
+            )
             bos = api.tokenizer.bos_token
             return await api.encode(text, add_special_tokens=not (bos and text.startswith(bos)))
         return await api.encode(req.prompt)
