@@ -2,14 +2,17 @@
 
 Qwen3 adds a per-head RMSNorm on q and k (`qk_norm`); Qwen3-MoE also replaces some layers'
 MLPs by sparse mixture-of-experts blocks (`num_experts` > 0, layers picked by `is_moe_layer`).
+Phi-3 / Phi-4-mini (`Phi3ForCausalLM`) store q/k/v and gate/up fused in the checkpoint (the
+engine's own layout), rotate only the first `rotary_dim` of each head (`partial_rotary_factor`)
+and may scale RoPE with `longrope` (engine/rope.py says which factor set a token gets).
 
 A pure dataclass: building one never touches the disk, so the scheduler, the simulated runner and
 tests can describe a model without a checkpoint. `from_hf_dict` takes the parsed `config.json`
 (both the transformers 4.x layout, `rope_theta` + `rope_scaling`, and the 5.x layout,
 `rope_parameters`) and normalises it.
 
-Sliding-window attention (Mistral): implemented. A window `w` means query position `p` sees keys
-`p - w + 1 .. p`, as Hugging Face masks it. A window at least as long as
+Sliding-window attention (Mistral, Phi3): implemented. A window `w` means query position `p`
+sees keys `p - w + 1 .. p`, as Hugging Face masks it. A window at least as long as
 `max_position_embeddings` can never bind, so it is dropped. The Qwen families'
 `use_sliding_window` (Qwen2/Qwen3: windows on the layers past `max_window_layers`) is not
 implemented and raises.
@@ -17,6 +20,7 @@ implemented and raises.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,10 +32,15 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "MistralForCausalLM": "mistral",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Phi3ForCausalLM": "phi3",
 }
 QWEN3_FAMILY = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
-# rope_type values whose inv_freq we compute exactly as transformers does.
+# Checkpoints that store `qkv_proj` and `gate_up_proj` fused, rows in the engine's order.
+FUSED_CHECKPOINTS = ("Phi3ForCausalLM",)
+# rope_type values whose inv_freq we compute exactly as transformers does, per architecture
+# (transformers' Phi3Config accepts only these two; "su" and "yarn" are its old longrope names).
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+PHI3_ROPE_TYPES = ("default", "longrope")
 
 
 @dataclass(frozen=True)
@@ -45,8 +54,10 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    # None for plain RoPE; else {"rope_type": "llama3" | "linear", ...HF keys}.
+    # None for plain RoPE; else {"rope_type": "llama3" | "linear" | "longrope", ...HF keys}
+    # (longrope's normalised by `_rope`: short/long factors, original length, attention factor).
     rope_scaling: dict[str, Any] | None = None
+    partial_rotary_factor: float = 1.0  # RoPE turns the first `rotary_dim` of each head only
     max_position_embeddings: int = 2048
     attention_bias: bool = False  # bias on q/k/v projections
     o_proj_bias: bool = False  # bias on the output projection (Llama's attention_bias sets both)
@@ -74,6 +85,18 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
+            raise ValueError(
+                f"rotary_dim (head_dim {self.head_dim} * partial_rotary_factor "
+                f"{self.partial_rotary_factor}) must be even and in 2..head_dim"
+            )
+        if self.rope_scaling is not None and self.rope_scaling["rope_type"] == "longrope":
+            for key in ("short_factor", "long_factor"):
+                if len(self.rope_scaling[key]) != self.rotary_dim // 2:
+                    raise ValueError(
+                        f"longrope {key} has {len(self.rope_scaling[key])} entries; "
+                        f"rotary_dim // 2 = {self.rotary_dim // 2} expected"
+                    )
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(_unsupported(self.architecture))
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
@@ -94,6 +117,11 @@ class ModelConfig:
         )
 
     @property
+    def rotary_dim(self) -> int:
+        """How many leading dims of each q/k head RoPE rotates (transformers' rounding)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
     def num_queries_per_kv(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
 
@@ -107,12 +135,14 @@ class ModelConfig:
         act = d.get("hidden_act", "silu")
         if act != "silu":
             raise NotImplementedError(f"hidden_act={act!r}: only 'silu' (SwiGLU) is implemented")
-        rope_theta, rope_scaling = _rope(d, max_pos)
+        rope_theta, rope_scaling, partial_rotary_factor = _rope(d, max_pos, architecture)
 
         if architecture == "Qwen2ForCausalLM":
             qkv_bias, o_bias, mlp_bias = True, False, False  # Qwen2 always has qkv bias
         elif architecture == "MistralForCausalLM":
             qkv_bias, o_bias, mlp_bias = False, False, False
+        elif architecture == "Phi3ForCausalLM":
+            qkv_bias, o_bias, mlp_bias = False, False, False  # Phi3 has no bias, whatever it says
         elif architecture in QWEN3_FAMILY:
             qkv_bias = o_bias = bool(d.get("attention_bias", False))  # one flag, all four
             mlp_bias = False
@@ -131,6 +161,7 @@ class ModelConfig:
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
+            partial_rotary_factor=partial_rotary_factor,
             max_position_embeddings=max_pos,
             attention_bias=qkv_bias,
             o_proj_bias=o_bias,
@@ -195,25 +226,63 @@ def _moe(d: dict[str, Any], architecture: str) -> dict[str, Any]:
     )
 
 
-def _rope(d: dict[str, Any], max_pos: int) -> tuple[float, dict[str, Any] | None]:
+def _rope(
+    d: dict[str, Any], max_pos: int, architecture: str
+) -> tuple[float, dict[str, Any] | None, float]:
+    """(rope_theta, rope_scaling, partial_rotary_factor), normalised as transformers reads
+    them."""
     # transformers 5 writes `rope_parameters` (theta inside); 4.x writes `rope_theta` and an
     # optional `rope_scaling` whose type key is `rope_type` or, older still, `type`.
     params = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
     theta = float(params.pop("rope_theta", None) or d.get("rope_theta") or 10000.0)
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
-    if rope_type not in SUPPORTED_ROPE_TYPES:
+    # The rope dict's factor wins over a top-level one (transformers' setdefault).
+    partial = float(params.pop("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)))
+    phi3 = architecture == "Phi3ForCausalLM"
+    if phi3 and rope_type in ("su", "yarn"):
+        rope_type = "longrope"  # Phi3Config's backward-compatible names
+    supported = PHI3_ROPE_TYPES if phi3 else SUPPORTED_ROPE_TYPES
+    if rope_type not in supported:
         raise NotImplementedError(
-            f"rope_type={rope_type!r} is not implemented; supported: {SUPPORTED_ROPE_TYPES}"
+            f"rope_type={rope_type!r} is not implemented for {architecture}; supported: {supported}"
         )
-    if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise NotImplementedError("partial_rotary_factor != 1 is not implemented")
+    if partial != 1.0 and not phi3:
+        raise NotImplementedError(
+            f"partial_rotary_factor != 1 is not implemented for {architecture}"
+        )
     if rope_type == "default":
-        return theta, None
+        return theta, None, partial
     if rope_type == "llama3":
         # HF falls back on max_position_embeddings when the original length is not given.
         params.setdefault("original_max_position_embeddings", max_pos)
-    return theta, {"rope_type": rope_type, **params}
+    if rope_type == "longrope":
+        params = _longrope(d, params, max_pos)
+    return theta, {"rope_type": rope_type, **params}, partial
+
+
+def _longrope(d: dict[str, Any], params: dict[str, Any], max_pos: int) -> dict[str, Any]:
+    # transformers' _compute_longrope_parameters and Phi3Config: the top-level
+    # original_max_position_embeddings (Phi3Config's default 4096) overrides the rope dict's.
+    original = int(d.get("original_max_position_embeddings", 4096))
+    factor = params.get("factor")
+    if factor is None:
+        factor = max_pos / original
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = (
+            1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        )
+    for key in ("short_factor", "long_factor"):
+        if not isinstance(params.get(key), list | tuple):
+            raise ValueError(f"longrope rope_scaling needs a {key} list")
+    return {
+        **params,
+        "short_factor": tuple(float(f) for f in params["short_factor"]),
+        "long_factor": tuple(float(f) for f in params["long_factor"]),
+        "original_max_position_embeddings": original,
+        "attention_factor": float(attention_factor),
+    }
 
 
 def _sliding_window(d: dict[str, Any], architecture: str, max_pos: int) -> int | None:
@@ -223,6 +292,7 @@ def _sliding_window(d: dict[str, Any], architecture: str, max_pos: int) -> int |
         if d.get("use_sliding_window") and window is not None and window < max_pos:
             raise NotImplementedError(f"{architecture} use_sliding_window is not implemented")
         return None
-    if architecture == "MistralForCausalLM" and window is not None and int(window) < max_pos:
+    windowed = ("MistralForCausalLM", "Phi3ForCausalLM")
+    if architecture in windowed and window is not None and int(window) < max_pos:
         return int(window)
     return None  # Llama has no window; a window >= max_position_embeddings never binds

@@ -1,19 +1,20 @@
-"""Llama-family decoder (Llama, Qwen2, Mistral, Qwen3, Qwen3-MoE) over one flattened, paged batch.
+"""Llama-family decoder (Llama, Qwen2, Mistral, Qwen3, Qwen3-MoE, Phi3) over one flattened,
+paged batch.
 
 A step's tokens from many sequences (prefill chunks and decode tokens alike) are concatenated
 into `[num_tokens]`; `positions` gives each token's absolute position and `AttentionMetadata`
 says which sequence it belongs to and where its K/V go. Every projection runs once over all
 tokens; only attention looks at sequence boundaries.
 
-Numerics follow transformers token for token: RMSNorm in float32, RoPE cos/sin from float32
-positions times float32 inverse frequencies, then cast to the activation dtype. Qwen3's q/k
-norms run per head on the projections, before RoPE, as transformers' Qwen3Attention does.
-Qwen3-MoE's sparse blocks live in engine/mlp.py.
+Numerics follow transformers token for token: RMSNorm in float32, RoPE as engine/rope.py
+computes it (partial rotary and longrope included). Qwen3's q/k norms run per head on the
+projections, before RoPE, as transformers' Qwen3Attention does. Qwen3-MoE's sparse blocks live
+in engine/mlp.py. Phi3 is this decoder with its checkpoint's fused qkv_proj / gate_up_proj
+loaded as they are (their rows are already in our order: q, k, v and gate, up).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 
 import torch
@@ -25,9 +26,12 @@ from fairbatch.engine.attention import (
     StepPlan,
     get_attn_backend,
 )
-from fairbatch.engine.config import ModelConfig
+from fairbatch.engine.config import FUSED_CHECKPOINTS, ModelConfig
 from fairbatch.engine.mlp import MLP, SparseMoeBlock
 from fairbatch.engine.ops import linear, pack_linears
+from fairbatch.engine.rope import RotaryEmbedding, apply_rope, rope_inv_freq
+
+__all__ = ["LlamaForCausalLM", "RotaryEmbedding", "apply_rope", "rope_inv_freq"]
 
 # Rows of a step the CPU runs through a layer's MLP at once (DecoderLayer.forward).
 CPU_MLP_ROWS = 256
@@ -44,54 +48,6 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
-
-
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """`[head_dim // 2]` float32 inverse frequencies, computed as transformers computes them."""
-    dim = config.head_dim
-    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
-    inv_freq = 1.0 / (config.rope_theta**exponents)
-    scaling = config.rope_scaling
-    if scaling is None:
-        return inv_freq
-    if scaling["rope_type"] == "linear":
-        return inv_freq / scaling["factor"]
-    # llama3: keep high frequencies, divide low ones by `factor`, interpolate in between.
-    factor = scaling["factor"]
-    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-    old_len = scaling["original_max_position_embeddings"]
-    low_freq_wavelen, high_freq_wavelen = old_len / low, old_len / high
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
-    return torch.where(medium, smoothed, scaled)
-
-
-class RotaryEmbedding(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        # A plain attribute, not a buffer: the loader builds the model on the meta device, and
-        # this must survive that; it moves to the activations' device on first use.
-        self.inv_freq = rope_inv_freq(config)  # [head_dim // 2]
-
-    def forward(
-        self, positions: torch.Tensor, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin `[T, 1, head_dim]` for positions `[T]`; computed once per step."""
-        if self.inv_freq.device != positions.device:
-            self.inv_freq = self.inv_freq.to(positions.device)
-        freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x [T, heads, D]; rotate-half convention (HF / GPT-NeoX), not interleaved pairs
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
 
 
 class Attention(nn.Module):
@@ -115,7 +71,7 @@ class Attention(nn.Module):
 
     def forward(
         self,
-        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin [T, 1, D]
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin [T, 1, rotary_dim]
         x: torch.Tensor,  # [T, hidden]
         kv_cache: torch.Tensor,  # [2, num_blocks, ...]: the backend's kv_cache_shape
         meta: AttentionMetadata,
@@ -183,7 +139,7 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Llama / Qwen2 / Mistral / Qwen3 / Qwen3-MoE for inference over paged KV caches.
+    """Llama / Qwen2 / Mistral / Qwen3 / Qwen3-MoE / Phi3 for inference over paged KV caches.
 
     `attn_backend`: a name from `ATTENTION_BACKENDS`, or None for automatic choice; it is
     resolved on the first forward, against the device and dtype the model then runs on.
@@ -291,9 +247,14 @@ class LlamaForCausalLM(nn.Module):
         names = ["model.embed_tokens.weight", "model.norm.weight"]
         if self.lm_head is not None:
             names.append("lm_head.weight")
-        projections = [("self_attn", p, c.attention_bias) for p in ("q_proj", "k_proj", "v_proj")]
-        projections.append(("self_attn", "o_proj", c.o_proj_bias))
-        dense = [("mlp", p, c.mlp_bias) for p in ("gate_proj", "up_proj", "down_proj")]
+        if c.architecture in FUSED_CHECKPOINTS:  # stored as we hold them: no biases
+            projections = [("self_attn", p, False) for p in ("qkv_proj", "o_proj")]
+            dense = [("mlp", p, False) for p in ("gate_up_proj", "down_proj")]
+        else:
+            qkv = ("q_proj", "k_proj", "v_proj")
+            projections = [("self_attn", p, c.attention_bias) for p in qkv]
+            projections.append(("self_attn", "o_proj", c.o_proj_bias))
+            dense = [("mlp", p, c.mlp_bias) for p in ("gate_proj", "up_proj", "down_proj")]
         # A sparse layer: the router, then each expert's SwiGLU (HF's per-expert names).
         sparse = [("mlp", "gate", False)] + [
             (f"mlp.experts.{e}", p, False)

@@ -1,12 +1,16 @@
-"""Qwen3, Qwen3-MoE and Llama 3.2 against transformers on the same random-weight checkpoints.
+"""Qwen3, Qwen3-MoE, Llama 3.2 and Phi-4-mini against transformers on the same random-weight
+checkpoints.
 
 Each checkpoint is a scaled-down copy of a published configuration that keeps what makes it
 itself: Qwen3-0.6B's per-head q/k norms, explicit head_dim (not hidden / heads) and tied
 embeddings; Qwen3-30B-A3B's sparse MoE layers (here 8 experts, top-2, renormalised) mixed with a
 dense one through `mlp_only_layers`, untied; Llama-3.2-1B's tied embeddings and llama3 RoPE
-scaling. They are built with benchmarks/checkpoints.py (weights at initializer_range 0.2, so
-greedy tokens do not hinge on rounding; the shipped tokenizer's files), then every RMSNorm weight
-is moved off 1, so a norm whose weight were not loaded or not applied would show.
+scaling; Phi-4-mini-instruct's fused qkv_proj / gate_up_proj, partial rotary (0.75), longrope
+(short and long factors, a 32x max/original length ratio, so an attention factor on cos/sin),
+GQA 3:1, tied embeddings and a sliding window that never binds. They are built with
+benchmarks/checkpoints.py (weights at initializer_range 0.2, so greedy tokens do not hinge on
+rounding; the shipped tokenizer's files), then every RMSNorm weight is moved off 1, so a norm
+whose weight were not loaded or not applied would show.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from fairbatch.engine.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from fairbatch.engine.loader import load_hf_model
 from fairbatch.engine.mlp import SparseMoeBlock
 from fairbatch.engine.model import LlamaForCausalLM
-from fairbatch.tests.engine.test_generate import fb_greedy, hf_greedy, make_prompts
+from fairbatch.tests.engine.test_generate import NEW_TOKENS, fb_greedy, hf_greedy, make_prompts
 
 VOCAB = checkpoints.VOCAB
 
@@ -81,9 +85,46 @@ LLAMA32 = dict(  # Llama-3.2-1B's shape (benchmarks' "llama-3.2-1b"), narrower a
         "original_max_position_embeddings": 64,
     },
 )
-SHAPES = {"qwen3": QWEN3, "qwen3_moe": QWEN3_MOE, "llama3.2": LLAMA32}
-# Checked on logits only: Qwen3's attention_bias puts a bias on q, k, v and o alike.
-LOGITS_ONLY = {"qwen3_bias": dict(QWEN3, attention_bias=True, tie_word_embeddings=False)}
+# Phi-4-mini-instruct: hidden 3072, 24 / 8 heads of 128 (rotary 96: factors of 48), original
+# length 4096 of 131072, window 262144. Here the original length is 64: every sequence of
+# _prompts() stays within it (the longest prompt has 52 tokens, plus 12 generated), where the
+# engine is exact to transformers' generate; _phi_long_prompts() go past it.
+PHI_ORIGINAL = 64
+PHI4_MINI = dict(
+    architectures=["Phi3ForCausalLM"],
+    model_type="phi3",
+    hidden_size=96,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=6,
+    num_key_value_heads=2,  # head_dim 16, rotary_dim 12: factors of 6
+    max_position_embeddings=32 * PHI_ORIGINAL,
+    original_max_position_embeddings=PHI_ORIGINAL,
+    partial_rotary_factor=0.75,
+    rope_theta=10000.0,
+    rope_scaling={
+        "type": "longrope",  # the key Phi-4-mini's config.json uses
+        "short_factor": [1.0, 1.05, 1.2, 1.5, 2.0, 2.6],
+        "long_factor": [1.0, 1.4, 3.0, 7.5, 18.0, 40.0],
+    },
+    rms_norm_eps=1e-5,
+    sliding_window=64 * PHI_ORIGINAL,  # past max_position_embeddings, as 262144 > 131072
+    tie_word_embeddings=True,
+    attention_bias=False,
+    mlp_bias=False,
+    lm_head_bias=False,
+    resid_pdrop=0.0,
+    embd_pdrop=0.0,
+    attention_dropout=0.0,
+    pad_token_id=checkpoints.EOS_IDS[0],  # Phi-4-mini pads with its EOS
+)
+SHAPES = {"qwen3": QWEN3, "qwen3_moe": QWEN3_MOE, "llama3.2": LLAMA32, "phi4_mini": PHI4_MINI}
+LOGITS_ONLY = {
+    # Qwen3's attention_bias puts a bias on q, k, v and o alike.
+    "qwen3_bias": dict(QWEN3, attention_bias=True, tie_word_embeddings=False),
+    # Phi-3-mini-4k's kind: plain RoPE (still partial here), a window that binds, untied.
+    "phi3_window": dict(PHI4_MINI, rope_scaling=None, sliding_window=16, tie_word_embeddings=False),
+}
 ALL_SHAPES = {**SHAPES, **LOGITS_ONLY}
 
 
@@ -150,6 +191,9 @@ def test_logits_match_transformers(name: str, ckpts, hf_models) -> None:
     model, config, _ = load_hf_model(ckpts(name))
     if name == "qwen3_bias":
         assert config.attention_bias and config.o_proj_bias
+    if name == "phi3_window":
+        assert config.sliding_window == 16 and config.rotary_dim == 12
+        assert config.rope_scaling is None and not config.tie_word_embeddings
     hf = hf_models(name)
     rng = random.Random(0)
     prompts = [[rng.randrange(4, VOCAB) for _ in range(n)] for n in (5, 1, 23, 40)]
@@ -331,3 +375,142 @@ def test_unsupported_architecture_fails_at_load_naming_the_supported(ckpts, tmp_
     (alien / "config.json").write_text(json.dumps(windowed))
     with pytest.raises(NotImplementedError, match="use_sliding_window"):
         LLM(str(alien), num_gpu_blocks=16)
+
+
+def _phi_config(ckpts, name: str = "phi4_mini") -> dict:
+    return json.loads((ckpts(name) / "config.json").read_text())
+
+
+def test_phi4_mini_checkpoint_and_rope_match_transformers(ckpts, hf_models) -> None:
+    """The checkpoint keeps Phi-4-mini's structure (fused tensors loaded as they are, tied, no
+    bias), and the engine's RoPE equals transformers' Phi3RotaryEmbedding: both factor sets'
+    inverse frequencies bit for bit, the attention factor, and cos/sin at every position,
+    below the original length (short factors) and past it (long factors)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    names = set(load_file(ckpts("phi4_mini") / "model.safetensors"))
+    assert "model.layers.0.self_attn.qkv_proj.weight" in names
+    assert "model.layers.0.mlp.gate_up_proj.weight" in names
+    assert not any(n.endswith(("q_proj.weight", ".bias")) for n in names)
+    assert "lm_head.weight" not in names  # tied
+    model, config, _ = load_hf_model(ckpts("phi4_mini"))
+    assert config.architecture == "Phi3ForCausalLM" and config.tie_word_embeddings
+    assert (config.head_dim, config.rotary_dim, config.sliding_window) == (16, 12, None)
+    assert config.rope_scaling["original_max_position_embeddings"] == PHI_ORIGINAL
+    assert max(len(p) for p in _prompts()) + NEW_TOKENS == PHI_ORIGINAL
+
+    hf = hf_models("phi4_mini")
+    rotary = model.model.rotary
+    short, _ = ROPE_INIT_FUNCTIONS["longrope"](hf.config, "cpu")
+    long, scaling = ROPE_INIT_FUNCTIONS["longrope"](hf.config, "cpu", seq_len=PHI_ORIGINAL + 1)
+    assert torch.equal(rotary.inv_freq, short) and torch.equal(rotary.long_inv_freq, long)
+    assert rotary.attention_scaling == scaling == hf.model.rotary_emb.attention_scaling > 1
+    positions = torch.arange(3 * PHI_ORIGINAL)
+    cos, sin = rotary(positions, torch.float32)
+    x = torch.zeros(1, 1, config.hidden_size)
+    for end in (PHI_ORIGINAL, 3 * PHI_ORIGINAL):  # as a short, then a long call sees them
+        with torch.no_grad():
+            ref_cos, ref_sin = hf.model.rotary_emb(x, positions[None, end - 1 : end])
+        assert torch.equal(cos[end - 1, 0], ref_cos[0, 0])
+        assert torch.equal(sin[end - 1, 0], ref_sin[0, 0])
+
+
+def _hf_per_call(hf, prompt: list[int], new_tokens: int) -> tuple[torch.Tensor, list[int]]:
+    """transformers' Phi3 run one call at a time on its cache, without generate's recompute
+    at the original length: the prompt's first `original` tokens in one call, every later
+    token alone. Returns the prompt's logits `[len, vocab]` and the greedy tokens."""
+    ids = torch.tensor([prompt])
+    logits, tokens, cache = [], [], None
+    with torch.no_grad():
+        calls = [ids[:, :PHI_ORIGINAL]] + [
+            ids[:, i : i + 1] for i in range(PHI_ORIGINAL, len(prompt))
+        ]
+        for chunk in calls:
+            out = hf(chunk, cache=cache, use_cache=True)
+            logits.append(out.logits[0])
+            cache = out.cache
+        for _ in range(new_tokens):
+            tokens.append(int(logits[-1][-1].argmax()))
+            if len(tokens) < new_tokens:
+                out = hf(torch.tensor([[tokens[-1]]]), cache=cache, use_cache=True)
+                logits.append(out.logits[0])
+                cache = out.cache
+    return torch.cat(logits)[: len(prompt)], tokens
+
+
+def _phi_long_prompts() -> list[list[int]]:
+    # 80 and 77 tokens: past the original length from the prompt on; 58: it crosses while
+    # generating; 48: stays within. The first one again, last, hits the prefix cache.
+    prompts = make_prompts(n=4, vocab=VOCAB, shared_prefix=40, seed=9)
+    return [*prompts, prompts[0]]
+
+
+def test_phi4_mini_prompt_past_original_length(ckpts, hf_models) -> None:
+    """A prompt longer than original_max_position_embeddings: the engine turns each position
+    with the factors of its own position (short below the original length, long from it):
+    transformers' logits when it is fed the first `original` tokens in one call and the rest
+    one at a time. Its one-shot forward of the whole prompt (and so its generate) turns every
+    position with the long factors instead: there the engine differs (engine/rope.py)."""
+    model, config, _ = load_hf_model(ckpts("phi4_mini"))
+    hf = hf_models("phi4_mini")
+    prompt = _phi_long_prompts()[0]
+    n, block_size = len(prompt), 4
+    caches = [
+        torch.zeros(model.kv_cache_shape(32, block_size)) for _ in range(config.num_hidden_layers)
+    ]
+    table = list(range(31, 31 - math.ceil(n / block_size), -1))
+    meta, positions = AttentionMetadata.build([n], [n], [table], block_size)
+    ours = model.compute_logits(model(torch.tensor(prompt), positions, caches, meta))
+    per_call, _ = _hf_per_call(hf, prompt, 1)
+    torch.testing.assert_close(ours, per_call, atol=1e-4, rtol=1e-4)
+    with torch.no_grad():
+        one_shot = hf(torch.tensor([prompt])).logits[0]
+    # The documented difference: one-shot, every position turned with the long factors.
+    assert (ours[1:] - one_shot[1:]).abs().amax(dim=-1).min() > 1e-3
+
+
+@pytest.fixture(scope="module")
+def phi_long_refs(ckpts, hf_models) -> list[list[int]]:
+    hf = hf_models("phi4_mini")
+    return [_hf_per_call(hf, p, NEW_TOKENS)[1] for p in _phi_long_prompts()]
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_phi4_mini_past_original_length_under_scheduling(scenario, ckpts, phi_long_refs) -> None:
+    """Past the original length the engine's tokens do not depend on how it schedules:
+    chunked, preempted (recompute, swap) or served from the prefix cache, every sequence
+    generates transformers' per-call tokens (see the test above)."""
+    got, engine = fb_greedy(ckpts("phi4_mini"), _phi_long_prompts(), **SCENARIOS[scenario])
+    if scenario in ("recompute", "swap"):
+        assert engine.scheduler.num_preemptions[scenario] > 0
+    if scenario == "prefix_cache":
+        assert engine.scheduler.num_prefix_hit_tokens >= PHI_ORIGINAL
+    assert got == phi_long_refs
+    if scenario == "plain":
+        # transformers' generate agrees on the sequence that stays within the original length
+        # (48 + 12 tokens) and, recomputing the others with long factors, not on all the rest.
+        generated = hf_greedy(ckpts("phi4_mini"), _phi_long_prompts())
+        assert generated[2] == got[2] and generated != got
+
+
+def test_phi3_unsupported_rope_fails_at_load(ckpts, tmp_path) -> None:
+    bad = tmp_path / "phi"
+    shutil.copytree(ckpts("phi4_mini"), bad)
+    config = _phi_config(ckpts)
+    for rope_type in ("dynamic", "llama3"):
+        rope = {**config["rope_parameters"], "rope_type": rope_type, "type": rope_type}
+        written = {**config, "rope_parameters": rope, "rope_scaling": rope}
+        (bad / "config.json").write_text(json.dumps(written))
+        with pytest.raises(NotImplementedError, match=f"rope_type='{rope_type}'.*Phi3.*longrope"):
+            LLM(str(bad), num_gpu_blocks=16)
+    rope = {**config["rope_parameters"], "short_factor": [1.0] * 5}
+    (bad / "config.json").write_text(json.dumps({**config, "rope_parameters": rope}))
+    with pytest.raises(ValueError, match="short_factor has 5 entries; rotary_dim // 2 = 6"):
+        LLM(str(bad), num_gpu_blocks=16)
+    # Phi3Config's old name of longrope still loads as longrope.
+    rope = {**config["rope_parameters"], "rope_type": "su", "type": "su"}
+    su = ModelConfig.from_hf_dict({**config, "rope_parameters": rope})
+    assert su.rope_scaling["rope_type"] == "longrope"
+    # Partial rotary stays Phi3's: on Llama it still fails.
+    with pytest.raises(NotImplementedError, match="partial_rotary_factor"):
+        ModelConfig.from_hf_dict({**checkpoints.hf_config(LLAMA32), "partial_rotary_factor": 0.5})

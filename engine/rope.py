@@ -1,0 +1,136 @@
+"""Rotary position embeddings (RoPE), computed as transformers computes them.
+
+cos/sin come from float32 positions times float32 inverse frequencies, are multiplied by the
+rope type's attention factor (1 but for longrope) and cast to the activation dtype; q and k turn
+in the rotate-half (GPT-NeoX) convention. With `partial_rotary_factor` < 1 (Phi-4-mini: 0.75)
+only the first `rotary_dim` of each head turns, the rest passes through.
+
+longrope (Phi-3 / Phi-4-mini) has two sets of per-frequency factors; the engine turns each token
+with the set of its own position: long iff `position >= original_max_position_embeddings`
+(`RotaryEmbedding.long_from`). A cached key's rotation then depends on its position only, so
+chunked prefill, recompute and swap preemption and prefix-cache hits all reproduce it.
+
+transformers decides per forward call (`max(position_ids) + 1 > original` selects long_factor
+for the whole call), and Phi3ForCausalLM's `generate` adds a rule: when a sequence first grows
+past the original length it drops its cache and recomputes every position with long_factor. So:
+* a sequence whose prompt plus generated tokens stay within the original length: short factors
+  everywhere, in transformers and here alike -- exact;
+* past it, transformers' `generate` turns ALL positions (the earlier ones re-computed) with
+  long_factor, the engine keeps positions below the original length on short_factor. The
+  engine equals transformers' model fed the first `original` tokens in one call and the rest
+  one at a time (its per-call rule, without generate's recompute), not its `generate`.
+Matching generate there would need the whole sequence's K/V recomputed at the crossing and
+the factor set in the prefix-cache key (a short sequence must not read long-turned blocks);
+neither the model step nor this module can do that. vLLM instead fixes one set for the whole
+engine (long iff max_model_len > original length), which differs from transformers for short
+sequences. RotaryEmbedding logs a warning when a model can reach past the original length.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+from torch import nn
+
+from fairbatch.engine.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+
+def _exponents(dim: int) -> torch.Tensor:
+    return torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """`[rotary_dim // 2]` float32 inverse frequencies, computed as transformers computes them
+    (for longrope: the short-factor set)."""
+    dim = config.rotary_dim
+    exponents = _exponents(dim)
+    scaling = config.rope_scaling
+    if scaling is not None and scaling["rope_type"] == "longrope":
+        return _longrope_inv_freq(config, scaling["short_factor"])
+    inv_freq = 1.0 / (config.rope_theta**exponents)
+    if scaling is None:
+        return inv_freq
+    if scaling["rope_type"] == "linear":
+        return inv_freq / scaling["factor"]
+    # llama3: keep high frequencies, divide low ones by `factor`, interpolate in between.
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    low_freq_wavelen, high_freq_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_long_inv_freq(config: ModelConfig) -> torch.Tensor | None:
+    """longrope's long-factor inverse frequencies `[rotary_dim // 2]`; None for other types."""
+    scaling = config.rope_scaling
+    if scaling is None or scaling["rope_type"] != "longrope":
+        return None
+    return _longrope_inv_freq(config, scaling["long_factor"])
+
+
+def _longrope_inv_freq(config: ModelConfig, factors: tuple[float, ...]) -> torch.Tensor:
+    # transformers' _compute_longrope_parameters, operation for operation
+    ext_factors = torch.tensor(factors, dtype=torch.float32, device="cpu")
+    return 1.0 / (ext_factors * config.rope_theta ** _exponents(config.rotary_dim))
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        # Plain attributes, not buffers: the loader builds the model on the meta device, and
+        # these must survive that; they move to the activations' device on first use.
+        self.inv_freq = rope_inv_freq(config)  # [rotary_dim // 2]
+        self.long_inv_freq = rope_long_inv_freq(config)  # longrope only
+        scaling = config.rope_scaling or {}
+        self.attention_scaling = float(scaling.get("attention_factor", 1.0))
+        # Positions from here on turn with long_inv_freq (see the module docstring).
+        self.long_from = int(scaling.get("original_max_position_embeddings", 0))
+        if self.long_inv_freq is not None and config.max_position_embeddings > self.long_from:
+            logger.warning(
+                "longrope: positions >= %d turn with long_factor, earlier ones with "
+                "short_factor; exact to transformers for sequences of at most %d tokens (past "
+                "that, transformers' generate re-turns every position with long_factor)",
+                self.long_from,
+                self.long_from,
+            )
+
+    def forward(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin `[T, 1, rotary_dim]` for positions `[T]`; computed once per step."""
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        inv_freq = self.inv_freq[None, :]  # [1, D/2]
+        if self.long_inv_freq is not None:
+            if self.long_inv_freq.device != positions.device:
+                self.long_inv_freq = self.long_inv_freq.to(positions.device)
+            # Per token, on the device (no sync; a CUDA graph replays it).
+            long = (positions >= self.long_from)[:, None]
+            inv_freq = torch.where(long, self.long_inv_freq[None, :], inv_freq)  # [T, D/2]
+        freqs = positions[:, None].float() * inv_freq  # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]
+        cos, sin = emb.cos(), emb.sin()
+        if self.attention_scaling != 1.0:  # transformers multiplies always; by 1 it is exact
+            cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
+        return cos.to(dtype), sin.to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x `[T, heads, head_dim]`; rotate-half convention (HF / GPT-NeoX), not interleaved
+    pairs. cos/sin may cover fewer dims than a head (partial rotary): the rest passes."""
+    rotary_dim = cos.shape[-1]
+    if rotary_dim < x.shape[-1]:
+        x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
+        return torch.cat((apply_rope(x_rot, cos, sin), x_pass), dim=-1)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
