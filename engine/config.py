@@ -41,6 +41,7 @@ FUSED_CHECKPOINTS = ("Phi3ForCausalLM",)
 # (transformers' Phi3Config accepts only these two; "su" and "yarn" are its old longrope names).
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 PHI3_ROPE_TYPES = ("default", "longrope")
+PHI3_DEFAULTS = {"rms_norm_eps": 1e-5, "max_position_embeddings": 4096}
 
 
 @dataclass(frozen=True)
@@ -128,6 +129,8 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
         architecture = _architecture(d)
+        if architecture == "Phi3ForCausalLM":
+            d = {**PHI3_DEFAULTS, **d}  # Phi3Config's defaults where they differ from ours
         max_pos = int(d.get("max_position_embeddings", 2048))
         hidden = int(d["hidden_size"])
         num_heads = int(d["num_attention_heads"])
