@@ -38,9 +38,9 @@ import httpx
 import pytest
 
 ray = pytest.importorskip("ray")
+from live_actors import live_replicas  # noqa: E402
 from loopback import free_port, run_serve_app, wait_for  # noqa: E402
 from ray import serve  # noqa: E402
-from ray.exceptions import GetTimeoutError, RayActorError  # noqa: E402
 
 from fairbatch.deployments.cluster.launch import NAMESPACE  # noqa: E402
 from fairbatch.engine.tokenizer import Tokenizer  # noqa: E402
@@ -122,17 +122,7 @@ class LiveCluster:
 
     @property
     def replicas(self) -> dict:
-        out = {}
-        for a in ray.util.list_named_actors(all_namespaces=True):
-            if a["namespace"] != NAMESPACE or not a["name"].startswith(self.prefix):
-                continue
-            try:
-                h = ray.get_actor(a["name"], namespace=NAMESPACE)
-                ray.get(h.ping.remote(), timeout=30)
-            except (ValueError, RayActorError, GetTimeoutError):
-                continue  # killed, or dying
-            out[a["name"]] = h
-        return out
+        return live_replicas(self.prefix)
 
 
 def ingress_actors() -> dict:

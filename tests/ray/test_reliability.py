@@ -35,9 +35,10 @@ import pytest
 openai = pytest.importorskip("openai")
 ray = pytest.importorskip("ray")
 psutil = pytest.importorskip("psutil")  # Ray ships it (ray/thirdparty_files, on sys.path now)
+from live_actors import live_replicas  # noqa: E402
 from loopback import free_port, run_serve_app, wait_for  # noqa: E402
 from ray import serve  # noqa: E402
-from ray.exceptions import GetTimeoutError, RayActorError  # noqa: E402
+from ray.exceptions import RayActorError  # noqa: E402
 
 from fairbatch.deployments.cluster.launch import NAMESPACE  # noqa: E402
 from fairbatch.engine.tokenizer import Tokenizer  # noqa: E402
@@ -131,17 +132,7 @@ class ClusterView:
 
     @property
     def replicas(self) -> dict:
-        out = {}
-        for a in ray.util.list_named_actors(all_namespaces=True):
-            if a["namespace"] != NAMESPACE or not a["name"].startswith(self.prefix):
-                continue
-            try:
-                h = ray.get_actor(a["name"], namespace=NAMESPACE)
-                ray.get(h.ping.remote(), timeout=30)
-            except (ValueError, RayActorError, GetTimeoutError):
-                continue  # killed, or dying
-            out[a["name"]] = h
-        return out
+        return live_replicas(self.prefix)
 
 
 def prompt_ids(i: int, n: int = 12) -> list[int]:
