@@ -10,6 +10,9 @@ Sections, each timed and recorded even when it fails (the report is rewritten af
   same bytes.
 * `generate`: `LLM.generate` on the tiny model with swap and with recompute preemption; greedy
   tokens against an undisturbed run.
+* `families`: small random-weight Qwen3 and Qwen3-MoE checkpoints (`benchmarks/checkpoints.py`):
+  greedy tokens of float32 on CUDA (no TF32) against float32 on CPU, which the CPU tests tie to
+  transformers; and bfloat16 on CUDA (flash where installed) with its agreement reported.
 
 Goals on an H100/H200-class GPU: decode at batch 32 with graphs >= 70% of the bandwidth
 bound; swap >= 70% of the plain copy's bandwidth.
@@ -233,6 +236,58 @@ def generate_check() -> dict:
     return result
 
 
+FAMILIES = {  # scaled-down copies of the real configs; head_dim 128 as flash takes it
+    "qwen3": dict(
+        architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=256,
+        intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=128, max_position_embeddings=1024,
+        rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True,
+    ),
+    "qwen3_moe": dict(
+        architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=256,
+        intermediate_size=512, moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[0], num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=128,
+        max_position_embeddings=1024, rms_norm_eps=1e-6, rope_theta=1e6,
+    ),
+}  # fmt: skip
+
+
+def families_check() -> dict:
+    import tempfile
+
+    from fairbatch.benchmarks.checkpoints import build_checkpoint, hf_config
+    from fairbatch.engine import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = [[(i * 37 + j * 11) % 2000 + 4 for j in range(8 + 9 * i)] for i in range(8)]
+    result: dict = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, shape in FAMILIES.items():
+            path = build_checkpoint(Path(tmp) / name, hf_config(shape))
+            cpu = LLM(str(path), device="cpu")
+            ref = [o.token_ids for o in cpu.generate(prompts, params, use_tqdm=False)]
+            torch.backends.cuda.matmul.allow_tf32 = False
+            fp32 = LLM(str(path), device="cuda", dtype=torch.float32, num_gpu_blocks=256)
+            got32 = [o.token_ids for o in fp32.generate(prompts, params, use_tqdm=False)]
+            del fp32
+            bf16 = LLM(str(path), device="cuda", dtype=torch.bfloat16, num_gpu_blocks=256)
+            got16 = [o.token_ids for o in bf16.generate(prompts, params, use_tqdm=False)]
+            result[name] = {
+                "float32_requests_equal": sum(a == b for a, b in zip(got32, ref)),
+                "bfloat16_requests_equal": sum(a == b for a, b in zip(got16, ref)),
+                "bfloat16_first_tokens_equal": sum(a[0] == b[0] for a, b in zip(got16, ref)),
+                "bfloat16_backend": bf16.engine.runner.model._backend.name,
+                "requests": len(prompts),
+            }
+            del bf16
+            torch.cuda.empty_cache()
+    result["ok"] = all(
+        r["float32_requests_equal"] == r["requests"] for k, r in result.items() if k != "ok"
+    )
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="gpu_check.json")
@@ -253,6 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         ("decode", lambda: decode_bench(args.iters)),
         ("swap", swap_bench),
         ("generate", generate_check),
+        ("families", families_check),
     ]
     out = Path(args.out)
     try:
@@ -271,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         "decode_batch32_graphs_70pct": report.get("decode", {}).get("goal_batch32_graphs"),
         "swap_70pct_of_memcpy": report.get("swap", {}).get("goal"),
     }
-    checks = ("gpu_tests", "parity", "generate")
+    checks = ("gpu_tests", "parity", "generate", "families")
     report["ok"] = all(report.get(k, {}).get("ok") for k in checks) and "interrupted" not in report
     out.write_text(json.dumps(report, indent=2))
     print(json.dumps(report["goals"]), f"ok={report['ok']}", f"report: {out}")

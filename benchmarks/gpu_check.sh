@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The prepared GPU check: the `gpu` tests, flash vs torch parity, decode step time of a ~1B
 # Llama (eager and CUDA graphs) against the bandwidth bound, swap bandwidth against plain
-# copies, and LLM.generate under swap and recompute preemption - one JSON report, at most
-# 8 minutes on one GPU. Usage: bash benchmarks/gpu_check.sh [report.json]
+# copies, LLM.generate under swap and recompute preemption, and Qwen3 / Qwen3-MoE against the
+# CPU path - one JSON report, at most 8 minutes on one GPU. Usage: bash benchmarks/gpu_check.sh [report.json]
 # Exit status: 0 all checks passed, 1 a check failed (see the report), 2 no CUDA device.
 set -euo pipefail
 cd "$(dirname "$0")/.."
