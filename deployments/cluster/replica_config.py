@@ -12,6 +12,8 @@ from fairbatch.engine.core import EngineCore
 from fairbatch.policies import TenantSpec
 from fairbatch.scheduler import SchedulerConfig
 
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
 
 @dataclass
 class ReplicaConfig:
@@ -36,6 +38,10 @@ class ReplicaConfig:
     heartbeat_s: float = 0.5
     device: str = "cpu"
     torch_threads: int = 1  # CPU model: intra-op threads per replica (replicas share cores)
+    # the model's dtype: "auto" keeps the engine's choice (bfloat16 on CUDA, float32 on CPU)
+    dtype: str = "auto"
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False  # CUDA: no decode CUDA graphs
 
     def __post_init__(self) -> None:
         """Bad values fail here, where a config is read, not in a replica starting later."""
@@ -54,6 +60,8 @@ class ReplicaConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if not self.time_scale >= 0:
             raise ValueError(f"time_scale must be >= 0, got {self.time_scale}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         device = self.device
         if not (device in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", device)):
             raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}")
@@ -99,6 +107,9 @@ def build_core(cfg: ReplicaConfig) -> EngineCore:
         policy=cfg.policy,
         tenants=cfg.tenants,
         policy_kwargs=cfg.policy_kwargs,
+        dtype=None if cfg.dtype == "auto" else getattr(torch, cfg.dtype),
+        enable_prefix_caching=cfg.enable_prefix_caching,
+        enforce_eager=cfg.enforce_eager,
     )
 
 

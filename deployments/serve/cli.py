@@ -36,6 +36,12 @@ def app_args(args: argparse.Namespace) -> dict[str, Any]:
     for key in ("tool_call_parser", "reasoning_parser"):
         if getattr(args, key, None) is not None:
             data[key] = getattr(args, key)
+    if getattr(args, "dtype", None) is not None:
+        engine = data.get("engine")
+        if isinstance(engine, str):  # the model's shorthand
+            data.setdefault("model", engine)
+            engine = {}
+        data["engine"] = {**(engine or {}), "dtype": args.dtype}
     return data
 
 
@@ -241,6 +247,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--config", help="YAML with the app args (or a Serve config holding them)")
     p.add_argument("--model", help="tiny (default), sim, or a Hugging Face model directory")
     p.add_argument("--replicas", type=int, help="replica actors, one GPU each (default 2)")
+    p.add_argument(
+        "--dtype",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        help="the model's dtype (default auto: bfloat16 on CUDA, float32 on CPU; config: "
+        "engine.dtype)",
+    )
     p.add_argument("--port", type=_port, default=8000)
     p.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to listen on every interface")
     p.add_argument("--verbose", action="store_true", help="show the Ray workers' logs")

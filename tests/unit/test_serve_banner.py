@@ -54,6 +54,25 @@ def test_the_parser_flags_reach_the_app_args(tmp_path):
     assert parse_app_args(app_args(thinking)).reasoning_parser == "deepseek_r1"
     with pytest.raises(SystemExit):  # argparse refuses a format that has no parser
         parser.parse_args(["serve", "--tool-call-parser", "granite"])
+    config.write_text("engine: {max_num_seqs: 4}\n")
+    bf16 = app_args(parser.parse_args(["serve", "--config", str(config), "--dtype", "bfloat16"]))
+    assert bf16["engine"] == {"max_num_seqs": 4, "dtype": "bfloat16"}
+    assert parse_app_args(bf16).engine["dtype"] == "bfloat16"
+
+
+def test_the_engine_settings_reach_the_replicas_engine():
+    """dtype, enable_prefix_caching and enforce_eager of the app's `engine` go to the engine a
+    replica builds."""
+    import torch
+
+    from fairbatch.deployments.cluster.replica_config import ReplicaConfig, build_core
+
+    core = build_core(ReplicaConfig(engine="tiny", dtype="bfloat16", enable_prefix_caching=False))
+    assert next(core.runner.model.parameters()).dtype == torch.bfloat16
+    assert core.scheduler.kv.enable_prefix_caching is False
+    core = build_core(ReplicaConfig(engine="tiny"))
+    assert next(core.runner.model.parameters()).dtype == torch.float32  # auto, on CPU
+    assert core.scheduler.kv.enable_prefix_caching is True
 
 
 @pytest.mark.parametrize(
@@ -65,6 +84,7 @@ def test_the_parser_flags_reach_the_app_args(tmp_path):
         ({"device": "tpu"}, "device"),
         ({"preemption_mode": "drop"}, "preemption_mode"),
         ({"heartbeat_s": 0}, "heartbeat_s"),
+        ({"dtype": "int8"}, "dtype"),
     ],
 )
 def test_a_bad_engine_value_is_refused_where_the_config_is_read(engine, field):
