@@ -5,14 +5,21 @@ MLPs by sparse mixture-of-experts blocks (`num_experts` > 0, layers picked by `i
 Phi-3 / Phi-4-mini (`Phi3ForCausalLM`) store q/k/v and gate/up fused in the checkpoint (the
 engine's own layout), rotate only the first `rotary_dim` of each head (`partial_rotary_factor`)
 and may scale RoPE with `longrope` (engine/rope.py says which factor set a token gets).
+Gemma 3's text model (`Gemma3ForCausalLM`, model_type `gemma3_text`) interleaves sliding-window
+and global layers (`layer_types`), each kind with its own RoPE base (`rope_local_theta` on the
+sliding layers), and adds what `gemma` switches on in engine/model.py: `(1 + w)` norms, the
+sandwich norms around attention and MLP, the sqrt(hidden) embedding scale, GELU-tanh,
+`query_pre_attn_scalar` and final logit soft-capping. Its `attn_logit_softcapping` is read but
+not applied, as transformers' Gemma3 does not apply it either (engine/model.py warns).
 
 A pure dataclass: building one never touches the disk, so the scheduler, the simulated runner and
 tests can describe a model without a checkpoint. `from_hf_dict` takes the parsed `config.json`
 (both the transformers 4.x layout, `rope_theta` + `rope_scaling`, and the 5.x layout,
 `rope_parameters`) and normalises it.
 
-Sliding-window attention (Mistral, Phi3): implemented. A window `w` means query position `p`
-sees keys `p - w + 1 .. p`, as Hugging Face masks it. A window at least as long as
+Sliding-window attention (Mistral, Phi3: every layer; Gemma 3: its sliding layers, `layer_window`):
+implemented. A window `w` means query position `p` sees keys `p - w + 1 .. p`, as Hugging Face
+masks it. A window at least as long as
 `max_position_embeddings` can never bind, so it is dropped. The Qwen families'
 `use_sliding_window` (Qwen2/Qwen3: windows on the layers past `max_window_layers`) is not
 implemented and raises.
@@ -33,6 +40,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Phi3ForCausalLM": "phi3",
+    "Gemma3ForCausalLM": "gemma3_text",
 }
 QWEN3_FAMILY = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 # Checkpoints that store `qkv_proj` and `gate_up_proj` fused, rows in the engine's order.
@@ -42,6 +50,18 @@ FUSED_CHECKPOINTS = ("Phi3ForCausalLM",)
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 PHI3_ROPE_TYPES = ("default", "longrope")
 PHI3_DEFAULTS = {"rms_norm_eps": 1e-5, "max_position_embeddings": 4096}
+GEMMA3 = "Gemma3ForCausalLM"
+# Gemma3TextConfig's defaults (a published config.json writes all of them).
+GEMMA3_DEFAULTS = {
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 131072,
+    "head_dim": 256,
+    "tie_word_embeddings": True,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "hidden_activation": "gelu_pytorch_tanh",
+}
+SLIDING, FULL = "sliding_attention", "full_attention"
 
 
 @dataclass(frozen=True)
@@ -65,6 +85,10 @@ class ModelConfig:
     mlp_bias: bool = False
     tie_word_embeddings: bool = False
     sliding_window: int | None = None  # None: full causal attention
+    # Per layer, SLIDING or FULL (Gemma 3): only SLIDING layers use `sliding_window` and turn
+    # with `rope_local_theta`. Empty: every layer uses `sliding_window` (Mistral, Phi3).
+    layer_types: tuple[str, ...] = ()
+    rope_local_theta: float | None = None
     qk_norm: bool = False  # RMSNorm over each q and k head before RoPE (Qwen3)
     # Mixture of experts (Qwen3-MoE); num_experts 0 means every layer has a dense MLP.
     num_experts: int = 0
@@ -73,6 +97,12 @@ class ModelConfig:
     norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
     mlp_only_layers: tuple[int, ...] = ()  # layers that keep a dense MLP
     decoder_sparse_step: int = 1  # layer i is sparse when (i + 1) % step == 0
+    # Gemma 3 (see the module docstring); the others keep these defaults.
+    gemma: bool = False
+    hidden_act: str = "silu"  # "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU, Gemma)
+    query_pre_attn_scalar: float | None = None  # attention scale scalar**-0.5, not head_dim's
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+    attn_logit_softcapping: float | None = None  # read, never applied (as transformers)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     architecture: str = "LlamaForCausalLM"
@@ -107,6 +137,36 @@ class ModelConfig:
             )
         if self.decoder_sparse_step < 1:
             raise ValueError(f"decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}")
+        if self.layer_types:
+            if len(self.layer_types) != self.num_hidden_layers:
+                raise ValueError(
+                    f"layer_types has {len(self.layer_types)} entries for "
+                    f"{self.num_hidden_layers} layers"
+                )
+            unknown = set(self.layer_types) - {SLIDING, FULL}
+            if unknown:
+                raise NotImplementedError(f"layer types {sorted(unknown)} are not implemented")
+        if self.hidden_act not in ("silu", "gelu_pytorch_tanh"):
+            raise NotImplementedError(
+                f"hidden_act={self.hidden_act!r}: only 'silu' and 'gelu_pytorch_tanh' are "
+                "implemented"
+            )
+
+    def is_sliding_layer(self, layer_idx: int) -> bool:
+        """Whether layer `layer_idx` is a sliding layer of an interleaved model (Gemma 3): its
+        window is `sliding_window` and it turns with `rope_local_theta`."""
+        return bool(self.layer_types) and self.layer_types[layer_idx] == SLIDING
+
+    def layer_window(self, layer_idx: int) -> int | None:
+        """The sliding window layer `layer_idx` attends with (None: full causal)."""
+        if self.layer_types and not self.is_sliding_layer(layer_idx):
+            return None
+        return self.sliding_window
+
+    @property
+    def attention_windows(self) -> tuple[int | None, ...]:
+        """The distinct windows the layers attend with, in first-layer order."""
+        return tuple(dict.fromkeys(self.layer_window(i) for i in range(self.num_hidden_layers)))
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         """Whether layer `layer_idx` has a sparse MoE block (else a dense MLP), the rule of
@@ -131,14 +191,20 @@ class ModelConfig:
         architecture = _architecture(d)
         if architecture == "Phi3ForCausalLM":
             d = {**PHI3_DEFAULTS, **d}  # Phi3Config's defaults where they differ from ours
+        if architecture == GEMMA3:
+            d = {**GEMMA3_DEFAULTS, **{k: v for k, v in d.items() if v is not None}}
         max_pos = int(d.get("max_position_embeddings", 2048))
         hidden = int(d["hidden_size"])
         num_heads = int(d["num_attention_heads"])
 
-        act = d.get("hidden_act", "silu")
-        if act != "silu":
-            raise NotImplementedError(f"hidden_act={act!r}: only 'silu' (SwiGLU) is implemented")
-        rope_theta, rope_scaling, partial_rotary_factor = _rope(d, max_pos, architecture)
+        # Gemma3 reads `hidden_activation` only (a `hidden_act` beside it is ignored, as HF does)
+        act = d["hidden_activation"] if architecture == GEMMA3 else d.get("hidden_act", "silu")
+        if act != ("gelu_pytorch_tanh" if architecture == GEMMA3 else "silu"):
+            raise NotImplementedError(f"hidden_act={act!r} is not implemented for {architecture}")
+        gemma = _gemma3(d) if architecture == GEMMA3 else {}
+        rope_theta, rope_scaling, partial_rotary_factor = _rope(
+            gemma.pop("global_rope", d), max_pos, architecture
+        )
 
         if architecture == "Qwen2ForCausalLM":
             qkv_bias, o_bias, mlp_bias = True, False, False  # Qwen2 always has qkv bias
@@ -146,7 +212,7 @@ class ModelConfig:
             qkv_bias, o_bias, mlp_bias = False, False, False
         elif architecture == "Phi3ForCausalLM":
             qkv_bias, o_bias, mlp_bias = False, False, False  # Phi3 has no bias, whatever it says
-        elif architecture in QWEN3_FAMILY:
+        elif architecture in (*QWEN3_FAMILY, GEMMA3):
             qkv_bias = o_bias = bool(d.get("attention_bias", False))  # one flag, all four
             mlp_bias = False
         else:
@@ -175,8 +241,10 @@ class ModelConfig:
             eos_token_ids=eos_ids(d.get("eos_token_id")),
             architecture=architecture,
             dtype=d.get("torch_dtype") or d.get("dtype"),
-            qk_norm=architecture in QWEN3_FAMILY,
+            qk_norm=architecture in (*QWEN3_FAMILY, GEMMA3),
+            hidden_act=act,
             **_moe(d, architecture),
+            **gemma,
         )
 
 
@@ -211,6 +279,42 @@ def _default_head_dim(architecture: str, hidden: int, num_heads: int) -> int:
     # Qwen3's config class defaults head_dim to 128 rather than deriving it (its checkpoints
     # always write it; a dict built in code may not).
     return 128 if architecture in QWEN3_FAMILY else hidden // num_heads
+
+
+def _gemma3(d: dict[str, Any]) -> dict[str, Any]:
+    """Gemma3TextConfig's layer pattern, local RoPE base and scalars, read as transformers
+    reads them; `global_rope` is the config `_rope` reads for the global layers."""
+    if d.get("use_bidirectional_attention"):
+        raise NotImplementedError("Gemma3 use_bidirectional_attention is not implemented")
+    layers = int(d["num_hidden_layers"])
+    types = d.get("layer_types")
+    if types is None:  # the older config.json: every `sliding_window_pattern`-th layer global
+        pattern = int(d.get("sliding_window_pattern", 6))
+        types = [SLIDING if (i + 1) % pattern else FULL for i in range(layers)]
+    params = d.get("rope_parameters")
+    if isinstance(params, dict) and (SLIDING in params or FULL in params):
+        # transformers 5: one rope dict per layer type, theta inside
+        local = dict(params.get(SLIDING) or {})
+        global_rope = {**d, "rope_parameters": dict(params.get(FULL) or {}), "rope_scaling": None}
+    else:  # transformers 4: rope_theta + rope_scaling (global), rope_local_base_freq (local)
+        local, global_rope = {}, {**d, "rope_parameters": None}
+    # A theta missing from the rope dicts comes from the top-level keys, else HF's defaults.
+    local.setdefault("rope_theta", d.get("rope_local_base_freq", 10000.0))
+    global_rope.setdefault("rope_theta", 1_000_000.0)
+    local_type = local.get("rope_type") or local.get("type") or "default"
+    if local_type != "default":
+        raise NotImplementedError(
+            f"Gemma3 sliding-layer rope_type={local_type!r} is not implemented (only default)"
+        )
+    softcap = {k: d.get(k) for k in ("final_logit_softcapping", "attn_logit_softcapping")}
+    return dict(
+        layer_types=tuple(types),
+        rope_local_theta=float(local["rope_theta"]),
+        gemma=True,
+        query_pre_attn_scalar=float(d["query_pre_attn_scalar"]),
+        **{k: None if v is None else float(v) for k, v in softcap.items()},
+        global_rope=global_rope,
+    )
 
 
 def _moe(d: dict[str, Any], architecture: str) -> dict[str, Any]:
@@ -295,7 +399,7 @@ def _sliding_window(d: dict[str, Any], architecture: str, max_pos: int) -> int |
         if d.get("use_sliding_window") and window is not None and window < max_pos:
             raise NotImplementedError(f"{architecture} use_sliding_window is not implemented")
         return None
-    windowed = ("MistralForCausalLM", "Phi3ForCausalLM")
+    windowed = ("MistralForCausalLM", "Phi3ForCausalLM", GEMMA3)
     if architecture in windowed and window is not None and int(window) < max_pos:
         return int(window)
     return None  # Llama has no window; a window >= max_position_embeddings never binds

@@ -1,5 +1,5 @@
-"""The feed-forward blocks of a decoder layer: a dense SwiGLU MLP, and Qwen3-MoE's sparse
-mixture of experts built from such MLPs.
+"""The feed-forward blocks of a decoder layer: a dense gated MLP (SwiGLU; GELU-tanh for
+Gemma), and Qwen3-MoE's sparse mixture of experts built from such MLPs.
 
 Both take the step's flattened rows `[T, hidden]`; every row is computed on its own, so the
 layer may feed them in any slices (DecoderLayer's CPU chunks).
@@ -20,8 +20,16 @@ from fairbatch.engine.config import ModelConfig
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+    """Gated MLP: `down(act(gate(x)) * up(x))`, act SiLU (SwiGLU) or, for Gemma,
+    `gelu_pytorch_tanh` (transformers' GELUTanh: torch's tanh-approximated GELU)."""
+
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, bias: bool = False, act: str = "silu"
+    ) -> None:
         super().__init__()
+        if act not in ("silu", "gelu_pytorch_tanh"):
+            raise NotImplementedError(f"activation {act!r} is not implemented")
+        self.gelu = act == "gelu_pytorch_tanh"
         self.intermediate_size = intermediate_size
         # gate and up fused into one matmul: rows [0, I) gate, [I, 2I) up.
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
@@ -29,7 +37,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # [T, I] each
-        return self.down_proj(F.silu(gate) * up)  # [T, hidden]
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down_proj(act * up)  # [T, hidden]
 
 
 class SparseMoeBlock(nn.Module):

@@ -1,5 +1,5 @@
-"""Llama-family decoder (Llama, Qwen2, Mistral, Qwen3, Qwen3-MoE, Phi3) over one flattened,
-paged batch.
+"""Llama-family decoder (Llama, Qwen2, Mistral, Qwen3, Qwen3-MoE, Phi3, Gemma 3) over one
+flattened, paged batch.
 
 A step's tokens from many sequences (prefill chunks and decode tokens alike) are concatenated
 into `[num_tokens]`; `positions` gives each token's absolute position and `AttentionMetadata`
@@ -11,11 +11,22 @@ computes it (partial rotary and longrope included). Qwen3's q/k norms run per he
 projections, before RoPE, as transformers' Qwen3Attention does. Qwen3-MoE's sparse blocks live
 in engine/mlp.py. Phi3 is this decoder with its checkpoint's fused qkv_proj / gate_up_proj
 loaded as they are (their rows are already in our order: q, k, v and gate, up).
+
+Gemma 3 (`config.gemma`), as transformers' Gemma3ForCausalLM computes it: embeddings times
+sqrt(hidden_size) (rounded to float32, then to the activation dtype, as HF's buffer is); every
+RMSNorm scales by `1 + w` (`GemmaRMSNorm`, in float32); a norm on the attention output and
+another pair around the MLP (GELU-tanh); q/k norms per head; attention scale
+`query_pre_attn_scalar ** -0.5`; sliding layers attend with `sliding_window` and turn with the
+local RoPE base, global layers attend to everything and turn with `rope_theta` (+ scaling);
+final logits soft-capped. `attn_logit_softcapping` is not applied: transformers' Gemma3
+attention never passes it to its attention functions (a config that sets it logs a warning).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -24,6 +35,7 @@ from fairbatch.engine.attention import (
     AttentionBackend,
     AttentionMetadata,
     StepPlan,
+    StepPlans,
     get_attn_backend,
 )
 from fairbatch.engine.config import FUSED_CHECKPOINTS, ModelConfig
@@ -32,6 +44,8 @@ from fairbatch.engine.ops import linear, pack_linears
 from fairbatch.engine.rope import RotaryEmbedding, apply_rope, rope_inv_freq
 
 __all__ = ["LlamaForCausalLM", "RotaryEmbedding", "apply_rope", "rope_inv_freq"]
+
+logger = logging.getLogger(__name__)
 
 # Rows of a step the CPU runs through a layer's MLP at once (DecoderLayer.forward).
 CPU_MLP_ROWS = 256
@@ -50,24 +64,39 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: the weight is stored as an offset from 1 and applied in float32
+    before the cast back (transformers' Gemma3RMSNorm, operation for operation)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def _norm(config: ModelConfig, size: int) -> RMSNorm:
+    return (GemmaRMSNorm if config.gemma else RMSNorm)(size, config.rms_norm_eps)
+
+
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int = 0) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim**-0.5
-        self.sliding_window = config.sliding_window
+        scalar = config.query_pre_attn_scalar
+        self.scale = self.head_dim**-0.5 if scalar is None else scalar**-0.5
+        self.sliding_window = config.layer_window(layer_idx)
         # q, k and v fused into one matmul; load_weights fills the three row ranges.
         self.qkv_proj = nn.Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
         )
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
         # Qwen3: RMSNorm over each head's head_dim, one weight shared by all q (k) heads.
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.q_norm = _norm(config, self.head_dim) if config.qk_norm else None
+        self.k_norm = _norm(config, self.head_dim) if config.qk_norm else None
 
     def forward(
         self,
@@ -97,14 +126,30 @@ class Attention(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = _norm(config, config.hidden_size)
+        self.self_attn = Attention(config, layer_idx)
+        # Gemma: the norm of the attention output; the others: the norm before the MLP
+        self.post_attention_layernorm = _norm(config, config.hidden_size)
         self.mlp: nn.Module = (
             SparseMoeBlock(config)
             if config.is_moe_layer(layer_idx)
-            else MLP(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+            else MLP(
+                config.hidden_size,
+                config.intermediate_size,
+                bias=config.mlp_bias,
+                act=config.hidden_act,
+            )
         )
+        self.local_rope = config.is_sliding_layer(layer_idx)  # Gemma's sliding layers
+        self.gemma = config.gemma
+        if config.gemma:  # Gemma's sandwich norms around the MLP
+            self.pre_feedforward_layernorm = _norm(config, config.hidden_size)
+            self.post_feedforward_layernorm = _norm(config, config.hidden_size)
+
+    def _ffn(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gemma:
+            return self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        return self.mlp(self.post_attention_layernorm(x))
 
     def forward(
         self,
@@ -114,16 +159,16 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
-        h = self.input_layernorm(x)
-        x = x + self.self_attn(rope, h, kv_cache, meta, backend)
+        h = self.self_attn(rope, self.input_layernorm(x), kv_cache, meta, backend)
+        x = x + (self.post_attention_layernorm(h) if self.gemma else h)
         if x.device.type != "cpu" or x.shape[0] <= CPU_MLP_ROWS:
-            return x + self.mlp(self.post_attention_layernorm(x))
+            return x + self._ffn(x)
         # A long prefill's MLP on the CPU, a slice of rows at a time: its [rows, 2 * I]
         # intermediates then stay in cache instead of streaming through memory (the same
         # values: every row is computed alone).
         for start in range(0, x.shape[0], CPU_MLP_ROWS):
             part = x[start : start + CPU_MLP_ROWS]
-            part += self.mlp(self.post_attention_layernorm(part))
+            part += self._ffn(part)
         return x
 
 
@@ -132,14 +177,27 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.rotary = RotaryEmbedding(config)  # cos/sin shared by all layers; no parameters
+        # Gemma's sliding layers turn with their own base, unscaled (HF's sliding_attention)
+        self.local_rotary = (
+            RotaryEmbedding(replace(config, rope_theta=config.rope_local_theta, rope_scaling=None))
+            if config.rope_local_theta is not None
+            else None
+        )
         self.layers = nn.ModuleList(
             DecoderLayer(config, i) for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = _norm(config, config.hidden_size)
+        # Gemma: sqrt(hidden) as HF's float32 buffer holds it (cast per activation dtype)
+        self.embed_scale = (
+            float(torch.tensor(config.hidden_size**0.5, dtype=torch.float32, device="cpu"))
+            if config.gemma
+            else None
+        )
 
 
 class LlamaForCausalLM(nn.Module):
-    """Llama / Qwen2 / Mistral / Qwen3 / Qwen3-MoE / Phi3 for inference over paged KV caches.
+    """Llama / Qwen2 / Mistral / Qwen3 / Qwen3-MoE / Phi3 / Gemma 3 for inference over paged
+    KV caches.
 
     `attn_backend`: a name from `ATTENTION_BACKENDS`, or None for automatic choice; it is
     resolved on the first forward, against the device and dtype the model then runs on.
@@ -147,6 +205,13 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, config: ModelConfig, attn_backend: str | None = "torch") -> None:
         super().__init__()
+        if config.attn_logit_softcapping is not None:
+            logger.warning(
+                "attn_logit_softcapping=%s is not applied: transformers' %s does not apply "
+                "it either, and the engine follows transformers",
+                config.attn_logit_softcapping,
+                config.architecture,
+            )
         self.config = config
         self.attn_backend_name = attn_backend
         self._backend: AttentionBackend | None = None
@@ -177,10 +242,22 @@ class LlamaForCausalLM(nn.Module):
         if self._backend is None:  # resolved as the first forward would resolve it
             p = next(self.parameters())
             self.attn_backend(p.device, p.dtype)
-        return self._backend.step_plan(
-            query_lens, seq_lens, block_tables_cpu, block_size, c.num_key_value_heads,
-            c.num_attention_heads // c.num_key_value_heads, c.sliding_window,
-        )  # fmt: skip
+        plans = [
+            self._backend.step_plan(
+                query_lens,
+                seq_lens,
+                block_tables_cpu,
+                block_size,
+                c.num_key_value_heads,
+                c.num_attention_heads // c.num_key_value_heads,
+                window,
+            )  # fmt: skip
+            for window in c.attention_windows  # one per distinct window (Gemma: two)
+        ]
+        plans = [p for p in plans if p is not None]
+        if len(plans) <= 1:
+            return plans[0] if plans else None
+        return StepPlans(plans)
 
     def pack_for_cpu(self) -> None:
         """Run the linear layers through oneDNN with prepacked weights (engine/ops.py); on
@@ -204,18 +281,30 @@ class LlamaForCausalLM(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
+        if self.model.embed_scale is not None:
+            # HF multiplies by its float32 buffer cast to the weights' dtype: a python float of
+            # that value scales alike (and keeps a captured graph free of host copies)
+            scale = torch.tensor(self.model.embed_scale, dtype=x.dtype, device="cpu")
+            x = x * float(scale)
         backend = self.attn_backend(x.device, x.dtype)
         rope = self.model.rotary(positions, x.dtype)
+        local = self.model.local_rotary
+        local_rope = local(positions, x.dtype) if local is not None else rope
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(rope, x, kv_cache, attn_metadata, backend)
+            x = layer(local_rope if layer.local_rope else rope, x, kv_cache, attn_metadata, backend)
         return self.model.norm(x)  # [T, hidden]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden [n, hidden] -> [n, vocab] float32; callers pass only the rows they sample.
         if self.lm_head is not None:
-            return self.lm_head(hidden).float()
-        return linear(hidden, self.model.embed_tokens.weight).float()
+            logits = self.lm_head(hidden)
+        else:
+            logits = linear(hidden, self.model.embed_tokens.weight)
+        cap = self.config.final_logit_softcapping
+        if cap is not None:  # in the activation dtype, as HF caps
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -269,6 +358,11 @@ class LlamaForCausalLM(nn.Module):
             ]
             if c.qk_norm:
                 names += [f"{prefix}.self_attn.q_norm.weight", f"{prefix}.self_attn.k_norm.weight"]
+            if c.gemma:
+                names += [
+                    f"{prefix}.pre_feedforward_layernorm.weight",
+                    f"{prefix}.post_feedforward_layernorm.weight",
+                ]
             mlp = sparse if c.is_moe_layer(i) else dense
             for module, proj, bias in projections + mlp:
                 names.append(f"{prefix}.{module}.{proj}.weight")

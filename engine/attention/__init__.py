@@ -22,6 +22,9 @@ Contract of a backend (one instance per model serves every layer; it may keep sc
   attending only to the first `seq_lens[s]` positions of each sequence. The torch backend reads
   decode context as whole blocks and masks the tail, so unwritten slots must hold finite values
   (the cache engine zero-fills; K/V written later are the model's own).
+  `sliding_window` is the calling layer's own (Gemma 3 interleaves windowed and full layers
+  over the same cache and block tables); a model with several windows stages one step plan
+  per window (`StepPlans`).
 
 Modules: `base.py` (the step's metadata, the per-step plan and the backend contract),
 `torch_backend.py` (the reference backend, CPU and CUDA), `flash.py` (vllm-flash-attn, CUDA);
@@ -32,7 +35,12 @@ from __future__ import annotations
 
 import torch
 
-from fairbatch.engine.attention.base import AttentionBackend, AttentionMetadata, StepPlan
+from fairbatch.engine.attention.base import (
+    AttentionBackend,
+    AttentionMetadata,
+    StepPlan,
+    StepPlans,
+)
 from fairbatch.engine.attention.flash import FLASH_HEAD_DIMS, FlashAttentionBackend
 from fairbatch.engine.attention.torch_backend import DECODE_GROUP, TorchAttentionBackend
 
@@ -44,6 +52,7 @@ __all__ = [
     "AttentionMetadata",
     "FlashAttentionBackend",
     "StepPlan",
+    "StepPlans",
     "TorchAttentionBackend",
     "get_attn_backend",
 ]

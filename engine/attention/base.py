@@ -133,6 +133,21 @@ class StepPlan:
         raise NotImplementedError
 
 
+class StepPlans(StepPlan):
+    """Several plans of one step staged as one (a model whose layers attend with different
+    sliding windows: one plan per window); each attaches its own slice of the views."""
+
+    def __init__(self, plans: list[StepPlan]) -> None:
+        self.plans = plans
+        self.arrays = [a for p in plans for a in p.arrays]
+
+    def attach(self, meta: AttentionMetadata, views: list[torch.Tensor]) -> None:
+        start = 0
+        for plan in self.plans:
+            plan.attach(meta, views[start : start + len(plan.arrays)])
+            start += len(plan.arrays)
+
+
 class AttentionBackend:
     """Base class; see the module docstring for the contract."""
 

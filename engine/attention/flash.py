@@ -31,7 +31,11 @@ class FlashAttentionBackend(AttentionBackend):
     """vllm-flash-attn's varlen kernel reading the paged cache through the block tables (CUDA).
 
     One kernel call covers the whole mixed batch: `causal=True` aligns the mask bottom-right,
-    which is exactly "query i of q_len sits at seq_len - q_len + i".
+    which is exactly "query i of q_len sits at seq_len - q_len + i". A sliding window is the
+    calling layer's own (`window_size`, per call), so interleaved windowed and full layers
+    (Gemma 3) share the cache and block tables; a constant per layer, it captures in a graph.
+    No model the engine loads soft-caps attention logits (Gemma 3's transformers model reads
+    `attn_logit_softcapping` but never applies it), so no `softcap` is passed.
     """
 
     name = "flash"

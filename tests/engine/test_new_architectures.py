@@ -1,5 +1,5 @@
-"""Qwen3, Qwen3-MoE, Llama 3.2 and Phi-4-mini against transformers on the same random-weight
-checkpoints.
+"""Qwen3, Qwen3-MoE, Llama 3.2, Phi-4-mini and Gemma 3 against transformers on the same
+random-weight checkpoints.
 
 Each checkpoint is a scaled-down copy of a published configuration that keeps what makes it
 itself: Qwen3-0.6B's per-head q/k norms, explicit head_dim (not hidden / heads) and tied
@@ -7,7 +7,9 @@ embeddings; Qwen3-30B-A3B's sparse MoE layers (here 8 experts, top-2, renormalis
 dense one through `mlp_only_layers`, untied; Llama-3.2-1B's tied embeddings and llama3 RoPE
 scaling; Phi-4-mini-instruct's fused qkv_proj / gate_up_proj, partial rotary (0.75), longrope
 (short and long factors, a 32x max/original length ratio, so an attention factor on cos/sin),
-GQA 3:1, tied embeddings and a sliding window that never binds. They are built with
+GQA 3:1, tied embeddings and a sliding window that never binds; gemma-3-1b's 5:1 sliding /
+global layers with a window shorter than the prompts, two RoPE bases, (1 + w) and sandwich
+norms, q/k norms, scaled embeddings, GELU-tanh and tied embeddings (see GEMMA3). Built with
 benchmarks/checkpoints.py (weights at initializer_range 0.2, so greedy tokens do not hinge on
 rounding; the shipped tokenizer's files), then every RMSNorm weight is moved off 1, so a norm
 whose weight were not loaded or not applied would show.
@@ -15,6 +17,7 @@ whose weight were not loaded or not applied would show.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -33,7 +36,13 @@ from fairbatch.engine.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from fairbatch.engine.loader import load_hf_model
 from fairbatch.engine.mlp import SparseMoeBlock
 from fairbatch.engine.model import LlamaForCausalLM
-from fairbatch.tests.engine.test_generate import NEW_TOKENS, fb_greedy, hf_greedy, make_prompts
+from fairbatch.tests.engine.test_generate import (
+    GREEDY,
+    NEW_TOKENS,
+    fb_greedy,
+    hf_greedy,
+    make_prompts,
+)
 
 VOCAB = checkpoints.VOCAB
 
@@ -118,7 +127,44 @@ PHI4_MINI = dict(
     attention_dropout=0.0,
     pad_token_id=checkpoints.EOS_IDS[0],  # Phi-4-mini pads with its EOS
 )
-SHAPES = {"qwen3": QWEN3, "qwen3_moe": QWEN3_MOE, "llama3.2": LLAMA32, "phi4_mini": PHI4_MINI}
+# gemma-3-1b-it: hidden 1152, 26 layers (5 sliding : 1 global, `sliding_window_pattern` 6),
+# 4 / 1 heads of 256, intermediate 6912, window 512, local / global RoPE bases 1e4 / 1e6, q/k
+# norms, tied. Here 6 layers (layer 5 global), a window of 16 that binds on most prompts
+# (up to 52 tokens + 12 generated), gemma-3-4b's linear RoPE scaling (factor 8, global layers
+# only), a query_pre_attn_scalar other than head_dim (gemma-3-27b's kind) and a final logit
+# soft-cap, which the published configs leave unset, so that its tanh is exercised.
+GEMMA_WINDOW = 16
+GEMMA3 = dict(
+    architectures=["Gemma3ForCausalLM"],
+    model_type="gemma3_text",
+    hidden_size=64,
+    intermediate_size=192,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=1,
+    head_dim=32,  # 4 * 32 != 64, as 4 * 256 != 1152
+    hidden_activation="gelu_pytorch_tanh",
+    max_position_embeddings=32768,
+    rms_norm_eps=1e-6,
+    query_pre_attn_scalar=24,
+    sliding_window=GEMMA_WINDOW,
+    sliding_window_pattern=6,
+    rope_theta=1000000.0,
+    rope_local_base_freq=10000.0,
+    rope_scaling={"rope_type": "linear", "factor": 8.0},
+    final_logit_softcapping=15.0,  # top raw logits ~11: it bends them without saturating
+    attn_logit_softcapping=None,
+    tie_word_embeddings=True,
+    attention_bias=False,
+    pad_token_id=0,
+)
+SHAPES = {
+    "qwen3": QWEN3,
+    "qwen3_moe": QWEN3_MOE,
+    "llama3.2": LLAMA32,
+    "phi4_mini": PHI4_MINI,
+    "gemma3": GEMMA3,
+}
 LOGITS_ONLY = {
     # Qwen3's attention_bias puts a bias on q, k, v and o alike.
     "qwen3_bias": dict(QWEN3, attention_bias=True, tie_word_embeddings=False),
@@ -491,6 +537,136 @@ def test_phi4_mini_past_original_length_under_scheduling(scenario, ckpts, phi_lo
         # (48 + 12 tokens) and, recomputing the others with long factors, not on all the rest.
         generated = hf_greedy(ckpts("phi4_mini"), _phi_long_prompts())
         assert generated[2] == got[2] and generated != got
+
+
+def test_gemma3_config_reads_as_transformers_does(ckpts, hf_models) -> None:
+    """The checkpoint keeps gemma-3-1b's structure, and both config.json layouts read as
+    transformers reads them: the published 4.x one (`sliding_window_pattern`,
+    `rope_local_base_freq`, `rope_theta` + `rope_scaling`) and the 5.x one this checkpoint
+    has (`layer_types`, `rope_parameters` per layer type); the engine's two RoPE tables equal
+    HF's per layer type."""
+    from transformers import Gemma3TextConfig
+
+    written = json.loads((ckpts("gemma3") / "config.json").read_text())
+    names = set(load_file(ckpts("gemma3") / "model.safetensors"))
+    assert "lm_head.weight" not in names  # tied
+    assert "model.layers.0.pre_feedforward_layernorm.weight" in names
+    model, config, _ = load_hf_model(ckpts("gemma3"))
+    hf = hf_models("gemma3")
+    published = {  # the 4.x layout of google/gemma-3-1b-it's config.json, shape cut down
+        k: v for k, v in GEMMA3.items() if k not in ("layer_types", "rope_parameters")
+    }
+    published = checkpoints.hf_config(published)
+    for d in (written, published):
+        c = ModelConfig.from_hf_dict(d)
+        assert dataclasses.replace(c, dtype=config.dtype) == config
+    pattern = ["sliding_attention"] * 5 + ["full_attention"]
+    assert list(config.layer_types) == hf.config.layer_types == pattern
+    assert list(Gemma3TextConfig(**published).layer_types) == pattern
+    assert [config.layer_window(i) for i in range(6)] == [GEMMA_WINDOW] * 5 + [None]
+    assert config.attention_windows == (GEMMA_WINDOW, None)
+    assert (config.rope_local_theta, config.rope_theta) == (10000.0, 1000000.0)
+    assert config.rope_scaling == {"rope_type": "linear", "factor": 8.0}
+    assert config.tie_word_embeddings and config.qk_norm and config.gemma
+    assert config.hidden_act == "gelu_pytorch_tanh" and written["hidden_act"] == "silu"
+    assert model.model.layers[0].self_attn.scale == 24**-0.5 == hf.model.layers[0].self_attn.scaling
+
+    positions = torch.arange(200)
+    x = torch.zeros(1, 1, config.hidden_size)
+    for ours, kind in ((model.model.local_rotary, "sliding"), (model.model.rotary, "full")):
+        cos, sin = ours(positions, torch.float32)
+        with torch.no_grad():
+            ref_cos, ref_sin = hf.model.rotary_emb(x, positions[None], f"{kind}_attention")
+        assert torch.equal(cos[:, 0], ref_cos[0]) and torch.equal(sin[:, 0], ref_sin[0])
+    assert max(len(p) for p in _prompts()) > 3 * GEMMA_WINDOW  # the window binds
+
+
+def test_gemma3_window_and_softcap_bind(ckpts, hf_models) -> None:
+    """The settings the logits test checks all matter on this checkpoint: without the
+    sliding window, or without the final soft-cap, the logits of a long prompt move far
+    past the test's tolerance (so matching HF proves each is applied)."""
+    model, config, _ = load_hf_model(ckpts("gemma3"))
+    prompt = make_prompts(n=1, vocab=VOCAB, shared_prefix=48, seed=5)[0]
+    n, block_size = len(prompt), 4
+    table = list(range(math.ceil(n / block_size)))
+
+    def run(m: LlamaForCausalLM) -> torch.Tensor:
+        caches = [torch.zeros(m.kv_cache_shape(32, block_size)) for _ in range(6)]
+        meta, positions = AttentionMetadata.build([n], [n], [table], block_size)
+        return m.compute_logits(m(torch.tensor(prompt), positions, caches, meta))
+
+    ours = run(model)
+    with torch.no_grad():
+        ref = hf_models("gemma3")(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+    for layer in model.model.layers:
+        layer.self_attn.sliding_window = None
+    assert (run(model) - ref)[GEMMA_WINDOW:].abs().amax() > 1e-2
+    uncapped = LlamaForCausalLM(
+        dataclasses.replace(config, final_logit_softcapping=None), attn_backend="torch"
+    )
+    uncapped.load_state_dict(model.state_dict())
+    assert (run(uncapped) - ref).abs().amax() > 1e-1
+
+
+def test_gemma3_staged_step_plans_every_window_once(ckpts, monkeypatch) -> None:
+    """The CUDA code path on CPU tensors (staged inputs): each step stages one plan per
+    window (sliding, full) in its one copy, no layer plans again, and the tokens are the
+    plain CPU path's."""
+    from fairbatch.engine.attention import TorchAttentionBackend
+    from fairbatch.engine.staging import Staging
+
+    path, prompts = str(ckpts("gemma3")), _prompts()
+    kwargs = dict(block_size=4, num_gpu_blocks=512, max_num_batched_tokens=48)
+    ref = LLM(path, **kwargs).generate(prompts, GREEDY, use_tqdm=False)
+    llm = LLM(path, **kwargs)
+    runner = llm.engine.runner
+    runner.staging = Staging("cpu")
+    windows: list = []
+    plan = TorchAttentionBackend.step_plan
+    monkeypatch.setattr(
+        TorchAttentionBackend,
+        "step_plan",
+        lambda self, *a: windows.append(a[-1]) or plan(self, *a),
+    )
+    got = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    assert runner.staging.num_uploads == runner.num_steps
+    assert windows == [GEMMA_WINDOW, None] * runner.num_steps
+
+
+def test_gemma3_attn_softcapping_is_read_not_applied(ckpts, hf_models, caplog) -> None:
+    """transformers' Gemma3 reads `attn_logit_softcapping` but never passes it to its
+    attention functions (eager, sdpa or flash): a config that sets it gives the same logits.
+    The engine follows transformers, and warns."""
+    from transformers import AutoModelForCausalLM
+
+    hf = hf_models("gemma3")
+    capped = AutoModelForCausalLM.from_pretrained(
+        ckpts("gemma3"), attn_implementation="eager", dtype=torch.float32,
+        attn_logit_softcapping=0.5,
+    ).eval()  # fmt: skip
+    assert capped.config.attn_logit_softcapping == 0.5
+    ids = torch.tensor([make_prompts(n=1, vocab=VOCAB, seed=4)[0]])
+    with torch.no_grad():
+        assert torch.equal(capped(ids).logits, hf(ids).logits)
+    config = ModelConfig.from_hf_dict({**capped.config.to_dict(), "architectures": None})
+    assert config.attn_logit_softcapping == 0.5
+    with caplog.at_level("WARNING"):
+        with torch.device("meta"):
+            LlamaForCausalLM(config)
+    assert "attn_logit_softcapping=0.5 is not applied" in caplog.text
+
+
+def test_gemma3_unsupported_settings_fail_at_load(ckpts) -> None:
+    config = json.loads((ckpts("gemma3") / "config.json").read_text())
+    with pytest.raises(NotImplementedError, match="use_bidirectional_attention"):
+        ModelConfig.from_hf_dict({**config, "use_bidirectional_attention": True})
+    with pytest.raises(NotImplementedError, match="hidden_act='gelu'"):
+        ModelConfig.from_hf_dict({**config, "hidden_activation": "gelu"})
+    rope = {**config["rope_parameters"], "sliding_attention": {"rope_type": "linear"}}
+    with pytest.raises(NotImplementedError, match="sliding-layer rope_type='linear'"):
+        ModelConfig.from_hf_dict({**config, "rope_parameters": rope})
 
 
 def test_phi3_unsupported_rope_fails_at_load(ckpts, tmp_path) -> None:
