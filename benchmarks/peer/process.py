@@ -14,6 +14,7 @@ import os
 import select
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -58,6 +59,12 @@ def peer_env(extra: dict[str, str] | None = None, threads: int | None = None) ->
     return env
 
 
+def reaped(cmd: list[str], *pass_fds: int) -> list[str]:
+    """`cmd` run by reaper.py: its whole session is killed if this process dies first."""
+    fds = [arg for fd in pass_fds for arg in ("--pass-fd", str(fd))]
+    return [sys.executable, str(Path(__file__).with_name("reaper.py")), *fds, "--", *cmd]
+
+
 def log_tail(path: Path, lines: int = 25) -> str:
     try:
         text = path.read_text(errors="replace").splitlines()
@@ -85,14 +92,14 @@ class PeerProcess:
         read_fd, write_fd = os.pipe()
         try:
             self.proc = subprocess.Popen(
-                [python, str(script), str(settings_file), str(write_fd)],
+                reaped([python, str(script), str(settings_file), str(write_fd)], write_fd),
                 stdin=subprocess.PIPE,
                 stdout=self._log,
                 stderr=subprocess.STDOUT,
                 pass_fds=(write_fd,),
                 env=env if env is not None else peer_env(),
                 start_new_session=True,  # its children (vLLM's engine core) stop with it
-            )
+            )  # (and with this process, should it die: `reaped`)
         except OSError as e:
             os.close(read_fd)
             raise PeerError(f"cannot start the peer with {python}: {e}") from None

@@ -30,7 +30,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fairbatch.benchmarks.peer.process import PeerError, check_peer_python, log_tail, peer_env
+from fairbatch.benchmarks.peer.process import (
+    PeerError,
+    check_peer_python,
+    log_tail,
+    peer_env,
+    reaped,
+)
 from fairbatch.benchmarks.peer.vllm_offline import peer_kv_bytes
 
 BLOCK = 16  # fairbatch's block size; --num-gpu-blocks counts these
@@ -49,8 +55,9 @@ def free_port() -> int:
 
 
 class Server:
-    """A server subprocess in a session of its own (so its children stop with it), logging to
-    a file; `with Server(...) as url:` waits for GET /health."""
+    """A server subprocess in a session of its own (so its children stop with it, and with
+    this process should it die: `reaped`), logging to a file; `with Server(...) as url:`
+    waits for GET /health."""
 
     def __init__(self, name: str, cmd: list[str], env: dict[str, str], port: int, log: Path):
         self.name, self.cmd, self.env, self.port, self.log = name, cmd, env, port, log
@@ -61,7 +68,7 @@ class Server:
 
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(
-                self.cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                reaped(self.cmd), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                 env=self.env, start_new_session=True,
             )  # fmt: skip
         url = f"http://127.0.0.1:{self.port}"

@@ -5,9 +5,11 @@ summary, table and errors are checked against them."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -211,3 +213,55 @@ def test_cli_imports_no_benchmark_module_torch_or_ray() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout.strip().replace("'", '"')) == []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie waiting for its reaper is gone for our purpose
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_killed_benchmark_takes_its_peer_and_the_peers_children_down(tmp_path: Path) -> None:
+    """SIGKILL the process that started a peer (no cleanup runs): the peer and a process the
+    peer started, as vLLM starts its engine core, are gone within seconds."""
+    pids = tmp_path / "pids"
+    peer = tmp_path / "peer.py"
+    peer.write_text(
+        textwrap.dedent(
+            f"""
+            import os, subprocess, sys, time
+            child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+            open({str(pids)!r}, "w").write(f"{{os.getpid()}} {{child.pid}}")
+            os.fdopen(int(sys.argv[2]), "w").write('{{"ready": true}}\\n')
+            time.sleep(120)
+            """
+        )
+    )
+    bench_code = textwrap.dedent(
+        f"""
+        import sys, time
+        from fairbatch.benchmarks.peer.process import PeerProcess
+        peer = PeerProcess(sys.executable, {str(peer)!r}, {{}})
+        peer.read(60)
+        print("ready", flush=True)
+        time.sleep(120)
+        """
+    )
+    bench = subprocess.Popen([sys.executable, "-c", bench_code], stdout=subprocess.PIPE)
+    try:
+        assert bench.stdout is not None and bench.stdout.readline().strip() == b"ready"
+        peer_pid, child_pid = map(int, pids.read_text().split())
+        assert _alive(peer_pid) and _alive(child_pid)
+    finally:
+        bench.kill()
+        bench.wait()
+    deadline = time.monotonic() + 20
+    while _alive(peer_pid) or _alive(child_pid):
+        assert time.monotonic() < deadline, "the peer outlived the benchmark that started it"
+        time.sleep(0.1)
