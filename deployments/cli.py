@@ -293,7 +293,8 @@ def _add_bench_serve(bench_sub: argparse._SubParsersAction) -> None:
         "--rounds",
         type=_positive(int),
         default=1,
-        help="serving-path: run every path this many times in turn; report medians",
+        help="serving-path: run every path this many times in turn; --peer: rounds of both "
+        "servers, their order alternated; report medians",
     )
     g.add_argument(
         "--sim-time-scale",

@@ -6,13 +6,12 @@ command line (`serve_bench.custom_workload`: --num-prompts, --rate or --concurre
 --input-len, --output-len, ...) and stopped before the other starts, so neither competes with
 the other for the cores. Both get the same max_num_seqs, token budget per step, max model
 length and KV capacity in tokens (--num-gpu-blocks blocks of 16 tokens; vLLM's in bytes,
-`--kv-cache-memory-bytes`), prefix caching on in both (the app config of `fairbatch serve` has no
-switch for it), greedy outputs with ignore_eos. fairbatch runs
-as `fairbatch serve --replicas 1` (Ray, direct ingress); it computes in float32 on CPU, and so
-does vLLM here.
+`--kv-cache-memory-bytes`), prefix caching on in both, greedy outputs with ignore_eos. fairbatch
+runs as `fairbatch serve --replicas 1` (Ray, direct ingress); it computes in float32 on CPU, and
+so does vLLM here. `--rounds N` repeats the pair N times, the order alternated each round.
 
-The table: output tok/s, requests/s, TTFT p50/p99 and TPOT p50/p99 of each, and the ratio of
-output tok/s fairbatch / vLLM.
+The table: output tok/s, requests/s, TTFT p50/p99 and TPOT p50/p99 of each (medians over the
+rounds), and the median of the rounds' ratios of output tok/s fairbatch / vLLM.
 """
 
 from __future__ import annotations
@@ -23,6 +22,7 @@ import os
 import shlex
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -204,6 +204,32 @@ def _warmup_specs(wl: Any) -> list:
     return [dataclasses.replace(s, arrival_s=0.0) for s in wl.specs[:WARMUP_REQUESTS]]
 
 
+def round_order(names: list[str], k: int) -> list[str]:
+    """The servers' order in round k (0-based): alternated, so neither always runs first on a
+    machine that warms up or on a neighbour's load that fades."""
+    return names if k % 2 == 0 else names[::-1]
+
+
+def combine_rounds(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """One server's rounds as one row: medians of the rates and latencies, sums of the
+    requests."""
+
+    def med(values: list) -> float | None:
+        values = [v for v in values if v is not None]
+        return round(statistics.median(values), 2) if values else None
+
+    out = {
+        "output_tok_s": med([r["output_tok_s"] for r in rows]),
+        "requests_per_s": med([r["requests_per_s"] for r in rows]),
+        "completed": sum(r["completed"] for r in rows),
+        "failed": sum(r["failed"] for r in rows),
+        "duration_s": med([r["duration_s"] for r in rows]),
+    }
+    for key in ("ttft_ms", "tpot_ms"):
+        out[key] = {p: med([r[key][p] for r in rows]) for p in ("p50", "p99")}
+    return out
+
+
 def format_table(summary: dict[str, Any]) -> str:
     def cell(v: Any) -> str:
         return "-" if v is None else f"{v:.1f}"
@@ -244,7 +270,7 @@ def run(args: Any) -> int:
         "max_model_len": min(4096, kv_tokens, max_positions),
         "kv_tokens": -(-kv_tokens // PEER_BLOCK) * PEER_BLOCK,
     }
-    results: dict[str, Any] = {}
+    rounds: list[dict[str, dict]] = []
     with tempfile.TemporaryDirectory(prefix="fairbatch-peer-serve-") as tmp:
         work = Path(tmp)
         servers = {
@@ -252,14 +278,20 @@ def run(args: Any) -> int:
             "fairbatch": lambda port: fairbatch_server(model_dir, eng, port, work),
         }
         try:
-            for name, make in servers.items():
-                print(f"starting {name} on {model_dir}", file=sys.stderr, flush=True)
-                with make(free_port()) as url:
-                    results[name] = measure(url, wl, args)
-                print(f"  {name}: {results[name]['output_tok_s']:.1f} output tok/s", flush=True)
+            for k in range(max(1, getattr(args, "rounds", 1) or 1)):
+                row: dict[str, dict] = {}
+                for name in round_order(list(servers), k):
+                    print(f"round {k + 1}: starting {name} on {model_dir}", file=sys.stderr,
+                          flush=True)  # fmt: skip
+                    with servers[name](free_port()) as url:
+                        row[name] = measure(url, wl, args)
+                    print(f"  {name}: {row[name]['output_tok_s']:.1f} output tok/s", flush=True)
+                rounds.append(row)
         except PeerError as e:
             print(f"fairbatch bench serve: {e}", file=sys.stderr)
             return 1
+    results = {name: combine_rounds([r[name] for r in rounds]) for name in servers}
+    ratios = [r["fairbatch"]["output_tok_s"] / r["vllm"]["output_tok_s"] for r in rounds]
     summary = {
         "kind": "peer_serve",
         "command": "fairbatch " + shlex.join(sys.argv[1:]),
@@ -269,9 +301,9 @@ def run(args: Any) -> int:
         "engine": eng,
         "workload": {k: v for k, v in wl.info.items() if k != "tenants"},
         **results,
-        "ratio_fairbatch_to_vllm": round(
-            results["fairbatch"]["output_tok_s"] / results["vllm"]["output_tok_s"], 3
-        ),
+        "ratio_fairbatch_to_vllm": round(statistics.median(ratios), 3),
+        "ratio_range": [round(min(ratios), 3), round(max(ratios), 3)],
+        **({"rounds": rounds} if len(rounds) > 1 else {}),
     }
     print(format_table(summary))
     if args.out:

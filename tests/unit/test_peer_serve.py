@@ -92,3 +92,56 @@ def test_cli_peer_errors(capsys: pytest.CaptureFixture) -> None:
     args = ["bench", "serve", "--peer", "vllm", "--peer-python", sys.executable]
     assert main([*args, "--checkpoint", "/nonexistent"]) == 1
     assert "neither a known shape" in capsys.readouterr().err
+
+
+def test_rounds_alternate_the_servers_and_report_medians(monkeypatch, tmp_path: Path) -> None:
+    """--rounds 3: the servers' order alternates round by round; each server's row is the
+    median of its rounds, and the ratio the median of the rounds' ratios."""
+    import argparse
+
+    started: list[str] = []
+    rates = {"vllm": iter([100.0, 120.0, 110.0]), "fairbatch": iter([90.0, 130.0, 100.0])}
+
+    class FakeServer:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def __enter__(self) -> str:
+            started.append(self.name)
+            return self.name
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+    def fake_measure(url: str, wl, args) -> dict:
+        rate = next(rates[url])
+        return {
+            "output_tok_s": rate, "requests_per_s": rate / 100, "completed": 4, "failed": 0,
+            "ttft_ms": {"p50": 1000 / rate, "p99": None}, "tpot_ms": {"p50": 5.0, "p99": 6.0},
+            "duration_s": 2.0,
+        }  # fmt: skip
+
+    monkeypatch.setattr(serve, "vllm_server", lambda *a: FakeServer("vllm"))
+    monkeypatch.setattr(serve, "fairbatch_server", lambda *a: FakeServer("fairbatch"))
+    monkeypatch.setattr(serve, "measure", fake_measure)
+    monkeypatch.setattr(serve, "check_peer_python", lambda path: path)
+    args = argparse.Namespace(
+        peer_python=sys.executable, checkpoint="tiny", num_gpu_blocks=64, max_num_seqs=4,
+        rounds=3, out=str(tmp_path), num_prompts=4, rate=float("inf"), process="poisson",
+        burstiness=1.0, concurrency=None, input_len="fixed:8", output_len="fixed:4",
+        sharegpt=None, shared_prefix=None, tenants=None, seed=0, timeout=60.0,
+        no_progress=True,
+    )  # fmt: skip
+    assert serve.run(args) == 0
+    assert started == ["vllm", "fairbatch", "fairbatch", "vllm", "vllm", "fairbatch"]
+    import json
+
+    summary = json.loads((tmp_path / "result.json").read_text())
+    assert summary["vllm"]["output_tok_s"] == 110.0
+    assert summary["fairbatch"]["output_tok_s"] == 100.0
+    assert summary["fairbatch"]["completed"] == 12
+    assert summary["fairbatch"]["ttft_ms"] == {"p50": 10.0, "p99": None}
+    # the rounds' ratios are 0.9, 1.083 and 0.909
+    assert summary["ratio_fairbatch_to_vllm"] == 0.909
+    assert summary["ratio_range"] == [0.9, 1.083]
+    assert len(summary["rounds"]) == 3
