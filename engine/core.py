@@ -14,6 +14,7 @@ import operator
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from fairbatch.engine.detokenizer import IncrementalDetokenizer
@@ -85,11 +86,14 @@ class EngineCore:
         cache_salt: str | None = None,
         fork_of: str | None = None,
         deadlines: tuple[float | None, float | None] | None = None,
+        lora: Any = None,
     ) -> Request:
         """Add one request: one sample of the prompt. For n > 1 samples add n requests, sample
         i with `params.for_sample(i)` and, for i >= 1, `fork_of` = sample 0's id: the siblings
         then share sample 0's prompt blocks (one prefill; see Scheduler.add_request).
-        `deadlines`: (total, queue) as absolute wall-clock times, see `_deadlines`."""
+        `deadlines`: (total, queue) as absolute wall-clock times, see `_deadlines`.
+        `lora`: a `LoRARequest` (engine/lora.py) to run it under that adapter, None for the
+        base model; see `_lora_name`."""
         request = self.make_request(
             prompt,
             params,
@@ -99,6 +103,7 @@ class EngineCore:
             arrival_time=arrival_time,
             cache_salt=cache_salt,
             deadlines=deadlines,
+            lora=lora,
         )
         params = request.sampling_params
         # raises on duplicates / prompts over the limit
@@ -122,6 +127,7 @@ class EngineCore:
         arrival_time: float | None = None,
         cache_salt: str | None = None,
         deadlines: tuple[float | None, float | None] | None = None,
+        lora: Any = None,
     ) -> Request:
         """The `Request` that `add_request` adds, checked and built but not added: also what
         a request resumed elsewhere with its output so far is rebuilt from (then given to
@@ -153,6 +159,7 @@ class EngineCore:
                 raise ValueError(
                     f"logit_bias token ids must be in [0, {vocab}); got {', '.join(map(str, bad))}"
                 )
+        lora_name = self._lora_name(lora)
         stop_ids = list(params.stop_token_ids or ())
         if not params.ignore_eos:
             stop_ids.extend(self.eos_token_ids)
@@ -166,11 +173,34 @@ class EngineCore:
             arrival_time=arrival_time,
             cache_salt=cache_salt,
             sampling_params=params,
+            lora_name=lora_name,
         )
         request.deadline, request.queue_deadline = self._deadlines(params, deadlines)
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = PromptLogprobs(len(prompt_ids), params.prompt_logprobs)
         return request
+
+    def _lora_name(self, lora: Any) -> str | None:
+        """The adapter name a request runs under. An adapter is read from its path the first
+        time its name is used and validated then (a ValueError, and nothing changes); later
+        requests naming it reuse it. A name is one adapter: another path under it is refused."""
+        if lora is None:
+            return None
+        slots = self.scheduler.loras
+        if slots is None:
+            raise ValueError(f"LoRA adapter {lora.name!r}: this engine serves none (max_loras=0)")
+        known = slots.adapters.get(lora.name)
+        if known is None:
+            from fairbatch.engine.lora import LoRAAdapter
+
+            adapter = LoRAAdapter.load(lora.path, slots.pool.config)
+            slots.pool.check(adapter)
+            slots.adapters[lora.name] = adapter
+        elif Path(known.path) != Path(lora.path):
+            raise ValueError(
+                f"LoRA adapter name {lora.name!r} is already {known.path!r}, not {lora.path!r}"
+            )
+        return lora.name
 
     def _deadlines(
         self, params: SamplingParams | None, wall: tuple[float | None, float | None] | None

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from fairbatch.engine.core import EngineCore
+from fairbatch.engine.lora import LoRAPool, LoRARequest, attach_lora
 from fairbatch.engine.memory import (
     kv_cache_budget,
     max_useful_blocks,
@@ -22,6 +23,7 @@ from fairbatch.kv.cache_engine import CacheEngine, KVLayout, num_blocks_for_budg
 from fairbatch.kv.manager import KVCacheManager
 from fairbatch.policies import TenantSpec, make_policy
 from fairbatch.scheduler import Scheduler, SchedulerConfig
+from fairbatch.scheduler.loras import LoRASlots
 
 
 @dataclass
@@ -95,6 +97,8 @@ def build_engine(
     policy_kwargs: dict[str, Any] | None = None,
     seed: int = 0,
     enforce_eager: bool = False,
+    max_loras: int = 0,
+    max_lora_rank: int = 16,
 ) -> EngineCore:
     """An EngineCore on the real model. KV sizing: explicit block counts win; otherwise
     `kv_cache_bytes` on CPU, or on CUDA `gpu_memory_utilization` of the device less the
@@ -103,6 +107,8 @@ def build_engine(
     `max_num_seqs` sequences of `max_model_len` tokens fill. On CUDA decode steps replay CUDA
     graphs where the attention backend allows it, unless `enforce_eager`. Settings the
     backend cannot run fail here.
+    `max_loras` > 0 serves LoRA adapters (of rank <= `max_lora_rank`) in that many slots,
+    eagerly (the batched delta groups tokens on the host: no CUDA graphs).
     `policy_kwargs` go to the policy (e.g. `{"order_within_tenant": "edf"}`, dlpm's
     `quantum`); a policy they cannot build fails before the model loads."""
     if block_size < 1 or max_num_seqs < 1 or max_num_batched_tokens < 1:
@@ -138,6 +144,7 @@ def build_engine(
         and backend.supports_cuda_graphs
         and not enforce_eager
         and not config.num_experts
+        and not max_loras  # the LoRA delta reads its group sizes on the host
     )
     if num_gpu_blocks is None:
         if dev.type == "cuda":
@@ -173,6 +180,10 @@ def build_engine(
     cache = CacheEngine(layout, num_gpu_blocks, num_cpu_blocks, dev, pad_block=use_graphs)
     gen = torch.Generator(device=dev).manual_seed(seed)
     runner = ModelRunner(m, cache, Sampler(generator=gen))
+    if max_loras > 0:
+        pool = LoRAPool(config, max_loras, max_lora_rank, dtype=param_dtype, device=dev)
+        runner.lora = attach_lora(m, pool)
+        scheduler.loras = LoRASlots(pool)
     if use_graphs:
         runner.capture_decode_graphs(max_num_seqs, max_len)
     engine = EngineCore(scheduler, runner, tok, eos, vocab_size=config.vocab_size)
@@ -191,10 +202,18 @@ class LLM:
         prompts: list[str] | list[list[int]] | str,
         params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora: LoRARequest | list[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in input order."""
+        """Generate for every prompt; outputs come back in input order. `lora`: one adapter
+        for all prompts, or one per prompt (None: the base model); needs `max_loras` > 0."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
+        if isinstance(lora, list):
+            if len(lora) != len(prompts):
+                raise ValueError(f"{len(lora)} LoRA requests for {len(prompts)} prompts")
+            loras = lora
+        else:
+            loras = [lora] * len(prompts)
         if isinstance(params, list):
             if len(params) != len(prompts):
                 raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
@@ -204,13 +223,16 @@ class LLM:
         engine = self.engine
         outputs: dict[str, RequestOutput] = {}  # one per engine request (sample)
         groups: list[list[str]] = []  # per prompt: its samples' request ids, sample 0 first
-        for prompt, p in zip(prompts, plist):
+        for prompt, p, adapter in zip(prompts, plist, loras):
             group: list[str] = []
             groups.append(group)
             try:
                 for i in range(p.n):  # samples 1.. fork sample 0's prompt blocks
                     req = engine.add_request(
-                        prompt, p.for_sample(i), fork_of=group[0] if group else None
+                        prompt,
+                        p.for_sample(i),
+                        fork_of=group[0] if group else None,
+                        lora=adapter,
                     )
                     group.append(req.request_id)
                     outputs[req.request_id] = RequestOutput(

@@ -1,8 +1,9 @@
 """Multi-LoRA building blocks: PEFT LoRA adapters, a fixed-size slot pool, and the batched
 per-token LoRA delta of one projection (issue 46).
 
-Not wired into the model yet. The intended use, per decoder layer and engine projection
-(`qkv_proj`, `o_proj`, `gate_up_proj`, `down_proj`), over a step's flattened rows:
+Wired into the offline engine by `attach_lora` (each decoder layer's projection wrapped in a
+`LoRALinear`): per decoder layer and engine projection (`qkv_proj`, `o_proj`, `gate_up_proj`,
+`down_proj`), over a step's flattened rows:
 
     y = linear(x) + pool.delta(layer, "qkv_proj", x, slots)
 
@@ -27,6 +28,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
+from torch import nn
 
 from fairbatch.engine.config import FUSED_CHECKPOINTS, ModelConfig
 
@@ -96,6 +98,15 @@ def module_shape(config: ModelConfig, module: str) -> tuple[int, int]:
         "qkv_proj": (h, q + 2 * kv),
         "gate_up_proj": (h, 2 * inter),
     }[module]
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """What a request names to run under an adapter: a name (the adapter's identity in the
+    engine: its pool slot and prefix-cache salt) and the PEFT directory it is loaded from."""
+
+    name: str
+    path: str
 
 
 @dataclass(frozen=True)
@@ -362,6 +373,7 @@ class LoRAPool:
         self._names: list[str | None] = [None] * max_loras  # slot -> adapter name
         self._pins = [0] * max_loras  # slot -> running requests holding it
         self._recent: OrderedDict[str, int] = OrderedDict()  # name -> slot, least recent first
+        self.num_loads = 0  # adapters written into a slot (a reload after eviction counts)
 
     def slot_of(self, name: str) -> int | None:
         """The slot holding adapter `name`, or None."""
@@ -380,10 +392,11 @@ class LoRAPool:
         """Pin adapter `name` for one request, loading it first if it is not in a slot."""
         slot = self._recent.get(name)
         if slot is None:
-            self._check(adapter)
+            self.check(adapter)
             slot = self._free_slot()
             self._write(slot, adapter)
             self._names[slot] = name
+            self.num_loads += 1
         self._pins[slot] += 1
         self._recent[name] = slot
         self._recent.move_to_end(name)
@@ -410,7 +423,12 @@ class LoRAPool:
             f"({sorted(self._recent)}); raise max_loras or wait for one to finish"
         )
 
-    def _check(self, adapter: LoRAAdapter) -> None:
+    def can_load(self, name: str) -> bool:
+        """Whether `load(name, ...)` would find a slot now (loaded, free or evictable)."""
+        return name in self._recent or 0 in self._pins
+
+    def check(self, adapter: LoRAAdapter) -> None:
+        """ValueError unless `adapter` fits this pool (its model, a rank <= max_rank)."""
         mine, theirs = self.config, adapter.config
         shape = ("hidden_size", "intermediate_size", "num_attention_heads")
         shape += ("num_key_value_heads", "head_dim", "num_hidden_layers", "architecture")
@@ -429,3 +447,44 @@ class LoRAPool:
                 self.a[proj][layer, slot].copy_(a)
                 self.b[proj][layer, slot].copy_(b)
         self.scalings[slot] = adapter.scaling
+
+
+class LoRAContext:
+    """A model's LoRA state for one step: the pool, and `slots [T]` (each token's slot, -1 for
+    the base model) while a step has adapters; None otherwise, and nothing extra runs."""
+
+    def __init__(self, pool: LoRAPool) -> None:
+        self.pool = pool
+        self.slots: torch.Tensor | None = None
+
+
+class LoRALinear(nn.Module):
+    """A decoder layer's projection plus the pool's delta for the step's tokens. `base` is
+    the `nn.Linear` (or the CPU's `PackedLinear` that `pack_linears` puts in its place)."""
+
+    def __init__(self, base: nn.Module, layer: int, projection: str, ctx: LoRAContext) -> None:
+        super().__init__()
+        self.base, self.layer, self.projection, self.ctx = base, layer, projection, ctx
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        slots = self.ctx.slots
+        if slots is None:
+            return y
+        return y + self.ctx.pool.delta(self.layer, self.projection, x, slots).to(y.dtype)
+
+
+def attach_lora(model: nn.Module, pool: LoRAPool) -> LoRAContext:
+    """Wrap every decoder layer's projections of an engine model (`LlamaForCausalLM`) in
+    `LoRALinear`s reading one context; returns it (the runner sets its slots per step).
+    A mixture-of-experts layer's MLP is left alone (adapters may not target it)."""
+    ctx = LoRAContext(pool)
+    for i, layer in enumerate(model.model.layers):
+        layer.lora = ctx
+        owners = [(layer.self_attn, ("qkv_proj", "o_proj"))]
+        if not model.config.is_moe_layer(i):
+            owners.append((layer.mlp, ("gate_up_proj", "down_proj")))
+        for owner, names in owners:
+            for name in names:
+                setattr(owner, name, LoRALinear(getattr(owner, name), i, name, ctx))
+    return ctx

@@ -145,6 +145,7 @@ class DecoderLayer(nn.Module):
         if config.gemma:  # Gemma's sandwich norms around the MLP
             self.pre_feedforward_layernorm = _norm(config, config.hidden_size)
             self.post_feedforward_layernorm = _norm(config, config.hidden_size)
+        self.lora = None  # engine/lora.py's LoRAContext, set by attach_lora
 
     def _ffn(self, x: torch.Tensor) -> torch.Tensor:
         if self.gemma:
@@ -161,7 +162,9 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         h = self.self_attn(rope, self.input_layernorm(x), kv_cache, meta, backend)
         x = x + (self.post_attention_layernorm(h) if self.gemma else h)
-        if x.device.type != "cpu" or x.shape[0] <= CPU_MLP_ROWS:
+        lora_step = self.lora is not None and self.lora.slots is not None
+        if x.device.type != "cpu" or x.shape[0] <= CPU_MLP_ROWS or lora_step:
+            # (a LoRA step's slots are per row of the whole step: not sliced)
             return x + self._ffn(x)
         # A long prefill's MLP on the CPU, a slice of rows at a time: its [rows, 2 * I]
         # intermediates then stay in cache instead of streaming through memory (the same

@@ -79,6 +79,8 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.num_graph_steps = 0
         self._timers: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # not yet read
+        # LoRA adapters (engine/lora.py's attach_lora): the step's slot per token goes here
+        self.lora = None
 
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Capture the decode forward at the padded batch sizes up to `max_num_seqs`."""
@@ -145,6 +147,8 @@ class ModelRunner:
             score_rows, score_targets = _prompt_rows(scored)
             extra += [torch.tensor(score_rows), torch.tensor(score_targets)]
 
+        if self.lora is not None:
+            self._set_lora_slots(out)
         t0 = time.perf_counter()
         timer = self._start_timer()
         hidden, staged = self._forward(input_ids, query_lens, seq_lens, tables, extra)
@@ -224,6 +228,18 @@ class ModelRunner:
             n += len(plan_arrays)
             hidden = self.model(dev["ids"].long(), positions, self.kv_caches, meta)
         return hidden, [v.long() for v in views[n:]]
+
+    def _set_lora_slots(self, out: SchedulerOutput) -> None:
+        """Each scheduled token's adapter slot (-1: the base model) for the model's LoRA
+        projections; None when no request of the step has an adapter (nothing extra runs)."""
+        pool = self.lora.pool
+        slots: list[int] = []
+        for req in out.scheduled:
+            name = req.lora_name
+            slot = -1 if name is None else pool.slot_of(name)
+            slots.extend([slot] * out.num_scheduled_tokens[req.request_id])
+        has_lora = any(s >= 0 for s in slots)
+        self.lora.slots = torch.tensor(slots, device=self.device) if has_lora else None
 
     def _graph_batch(self, query_lens: list[int], tables: list[list[int]]) -> int | None:
         """The captured batch size this step replays, or None to run it eagerly."""

@@ -66,6 +66,7 @@ class Request:
         "fork_of",
         "deadline",
         "queue_deadline",
+        "lora_name",
     )
 
     def __init__(
@@ -82,6 +83,7 @@ class Request:
         sampling_params: object = None,
         deadline: float = math.inf,
         queue_deadline: float = math.inf,
+        lora_name: str | None = None,
     ) -> None:
         prompt = list(prompt_token_ids)
         if not prompt:
@@ -107,6 +109,11 @@ class Request:
         # Prefix-cache salt: blocks are shared only between requests with the same salt.
         # Default: the tenant name, so tenants never share cached blocks.
         self.cache_salt = tenant if cache_salt is None else cache_salt
+        # The LoRA adapter it runs under (None: the base model). Its K/V differ from the base
+        # model's and other adapters', so the adapter salts the prefix cache too.
+        self.lora_name = lora_name
+        if lora_name is not None:
+            self.cache_salt = f"{self.cache_salt}\x00lora:{lora_name}"
         self.num_computed_tokens = 0
         self.status = RequestStatus.WAITING
         self.num_preemptions = 0

@@ -13,7 +13,8 @@ Step 1 before 2 and 3 means a running request is never starved by admissions; st
 after a preemption keeps a step from freeing blocks and handing them straight back (thrash) and
 keeps a freed GPU block from being both a swap-out source and a swap-in target in one step.
 
-Parallel sampling (n > 1 samples of one prompt): see `forks.py`.
+Parallel sampling (n > 1 samples of one prompt): see `forks.py`. LoRA adapters (a request
+waits until its adapter has a slot, and pins it while running): see `loras.py`.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from fairbatch.kv.manager import KVCacheManager
 from fairbatch.scheduler.config import SchedulerConfig
 from fairbatch.scheduler.deadlines import Deadlines
 from fairbatch.scheduler.forks import Forks
+from fairbatch.scheduler.loras import LoRASlots
 from fairbatch.scheduler.output import RunnerOutput, SchedulerOutput, StepUpdates
 from fairbatch.scheduler.preemption import preemption_mode, takeable
 from fairbatch.scheduler.request import FINISH_REASONS, Request, RequestStatus
@@ -68,6 +70,7 @@ class Scheduler:
         self.forks = Forks(kv_manager, config.max_num_seqs)
         self.deadlines = Deadlines()
         self.num_timed_out = {"queue": 0, "running": 0}
+        self.loras: LoRASlots | None = None  # set by the engine when it serves LoRA adapters
 
     # ---- intake -----------------------------------------------------------------------------
 
@@ -80,9 +83,13 @@ class Scheduler:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         parent = None if fork_of is None else self.requests.get(fork_of)
         if parent is not None and (
-            parent.prompt_token_ids != request.prompt_token_ids or parent.tenant != request.tenant
+            parent.prompt_token_ids != request.prompt_token_ids
+            or parent.tenant != request.tenant
+            or parent.lora_name != request.lora_name
         ):
-            raise ValueError(f"fork_of {fork_of!r} has another prompt or tenant")
+            raise ValueError(
+                f"fork_of {fork_of!r} has another prompt or tenant, or another LoRA adapter"
+            )
         if request.num_tokens >= self.max_model_len:
             raise ValueError(
                 f"prompt has {request.num_tokens} tokens; the limit is {self.max_model_len - 1} "
@@ -234,6 +241,8 @@ class Scheduler:
             extra = blocks_after - self.kv.num_swapped_blocks(request)
             if not self.kv.can_swap_in(request, extra):
                 break  # keep policy order: no later swapped request jumps this one
+            if self.loras is not None and not self.loras.can_start(request):
+                break  # every adapter slot is in use: it waits, as for blocks
             self.swapped.pop(0)
             mapping = self.kv.swap_in(request)
             out.swap_in.extend(mapping)
@@ -278,6 +287,8 @@ class Scheduler:
             n = min(remaining, budget)
             if n < remaining and not self.config.enable_chunked_prefill:
                 return
+            if self.loras is not None and not self.loras.can_start(request):
+                return  # every adapter slot is in use: it waits its turn, as for blocks
             new_ids = self.kv.allocate_slots(request, n, computed)
             if new_ids is None:
                 if not self._preempt_lower(request, out):
@@ -305,12 +316,16 @@ class Scheduler:
     def _start_running(self, request: Request) -> None:
         request.status = RequestStatus.RUNNING
         self.running.append(request)
+        if self.loras is not None:
+            self.loras.start(request)  # pins its adapter's slot while it runs
         # charged one decode token per step from now on (a step it does not sample is a miss)
         self.policy.add_decoding(request.tenant, 1)
 
     def _stop_running(self, request: Request) -> None:
         self.running.remove(request)
         self.policy.add_decoding(request.tenant, -1)
+        if self.loras is not None:
+            self.loras.stop(request)
 
     def _preempt_lower(self, request: Request, out: SchedulerOutput) -> bool:
         """Make room for `request` by preempting a running request of strictly lower priority."""
