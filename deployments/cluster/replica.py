@@ -53,9 +53,10 @@ DEAD_CONSUMER = "the consumer died"  # why a submission for a consumer found dea
 DEAD_CONSUMERS_KEPT = 1024  # consumer ids (one per client process) remembered as dead
 
 
-def _trace_step(request_id: str, times: trace.StepTimes) -> None:
+def _trace_step(request_id: str, step: int, times: trace.StepTimes) -> None:
     """The step that made the request's delta (the first one counts), and its arrival here."""
     for point, value in (
+        ("token_step", step),
         ("step_start", times.start),
         ("step_end", times.end),
         ("step_cpu", times.cpu),
@@ -210,6 +211,7 @@ class Replica(Reports):
             for _, rid, *_, add in batch:
                 if trace.ON:
                     trace.mark(rid, "engine_added")
+                    trace.mark(rid, "added_step", self.engine.num_steps)
                 try:
                     add()
                     out.append(None)
@@ -278,7 +280,7 @@ class Replica(Reports):
             if route is None:
                 continue
             if times is not None:
-                _trace_step(d.request_id, times)
+                _trace_step(d.request_id, steps, times)
             route.num_out += len(d.token_ids)
             item = StreamItem(
                 d.token_ids,

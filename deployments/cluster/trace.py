@@ -25,8 +25,10 @@ The points, in the order a request passes them:
 
 Besides times: `step_cpu` (s of CPU the engine thread used in that step) and `step_wait`
 (s it was runnable but waiting for a core; Linux `schedstat`), which tell a slow step from a
-starved one. Tracing is for measuring: it costs a set lookup per item when on, one flag check
-when off.
+starved one; `added_step` and `token_step` (the engine's step count when the request was added,
+and the number of the step that made its first token), whose difference less one is how many
+engine steps ran without it: a count, which the machine's speed does not change. Tracing is
+for measuring: it costs a set lookup per item when on, one flag check when off.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ POINTS = (
     "yielded",
 )
 VALUES = ("step_cpu", "step_wait")
+STEPS = ("added_step", "token_step")
 
 _traced: dict[str, set[str]] = {}  # request id -> the points written for it here
 _lock = threading.Lock()  # the engine thread writes too
@@ -153,9 +156,11 @@ def summarize(
     folder: str, since: float = float("-inf"), until: float = float("inf")
 ) -> dict[str, float]:
     """Median ms of each hop (`a->b`) over the requests whose `client` point lies in
-    [since, until), with `step_cpu`, `step_wait` and `total` (`client->yielded`); `n` is how
-    many requests that is. Hops a request does not have (its client was in another process
-    than its trace) are left out of that hop."""
+    [since, until), with `step_cpu`, `step_wait` and `total` (`client->yielded`), and the most
+    and median engine steps that ran between a request's arrival there and its first token's
+    step (`steps_waited_max`, `steps_waited_median`); `n` is how many requests that is. Hops
+    a request does not have (its client was in another process than its trace) are left out
+    of that hop."""
     rows = [r for r in read(folder).values() if since <= r.get("client", float("-inf")) < until]
     out: dict[str, float] = {"n": len(rows)}
     for a, b in zip(POINTS, POINTS[1:]):
@@ -166,6 +171,10 @@ def summarize(
         values = [r[name] for r in rows if name in r]
         if values:
             out[name] = round(1000 * statistics.median(values), 1)
+    waited = [int(r["token_step"] - r["added_step"]) - 1 for r in rows if set(STEPS) <= r.keys()]
+    if waited:
+        out["steps_waited_max"] = max(waited)
+        out["steps_waited_median"] = statistics.median(waited)
     totals = [r["yielded"] - r["client"] for r in rows if "client" in r and "yielded" in r]
     if totals:
         out["total"] = round(1000 * statistics.median(totals), 1)

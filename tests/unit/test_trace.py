@@ -63,8 +63,9 @@ def test_summary_is_the_median_of_each_hop_across_processes(tmp_path):
         "r3": {"client": 30.000, "submit_sent": 30.003, "received": 30.040, "yielded": 30.043},
     }
     replica = {
-        "r1": {"controller": 10.004, "step_cpu": 0.005},
-        "r2": {"controller": 20.010, "step_cpu": 0.007},
+        # r1 ran in the first step after it arrived (step 5 after 4 had run), r2 waited 2 steps
+        "r1": {"controller": 10.004, "step_cpu": 0.005, "added_step": 4, "token_step": 5},
+        "r2": {"controller": 20.010, "step_cpu": 0.007, "added_step": 7, "token_step": 10},
     }
     for name, rows in (("1.log", ingress), ("2.log", replica)):
         with open(tmp_path / name, "w") as f:
@@ -79,6 +80,7 @@ def test_summary_is_the_median_of_each_hop_across_processes(tmp_path):
     assert s["received->yielded"] == 2.0
     assert s["step_cpu"] == 6.0
     assert s["total"] == 43.0  # median of 31, 52, 43
+    assert (s["steps_waited_max"], s["steps_waited_median"]) == (2, 1.0)
     assert "controller->forwarded" not in s  # nobody has both
     # a window by the `client` time: r2 only
     assert trace.summarize(str(tmp_path), 15.0, 25.0) == {
@@ -87,6 +89,8 @@ def test_summary_is_the_median_of_each_hop_across_processes(tmp_path):
         "submit_sent->controller": 8.0,
         "received->yielded": 2.0,
         "step_cpu": 7.0,
+        "steps_waited_max": 2,
+        "steps_waited_median": 2,
         "total": 52.0,
     }
 
