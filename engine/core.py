@@ -7,6 +7,7 @@ block ids when a request moves between replicas.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import math
@@ -18,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from fairbatch.engine.detokenizer import IncrementalDetokenizer
-from fairbatch.engine.sampling_params import SamplingParams
+from fairbatch.engine.sampling_params import LoRARequest, SamplingParams
 from fairbatch.engine.structured import StructuredOutput
 from fairbatch.scheduler import Request, RequestStatus, Scheduler
 from fairbatch.scheduler.request import PromptLogprobs
@@ -92,8 +93,9 @@ class EngineCore:
         i with `params.for_sample(i)` and, for i >= 1, `fork_of` = sample 0's id: the siblings
         then share sample 0's prompt blocks (one prefill; see Scheduler.add_request).
         `deadlines`: (total, queue) as absolute wall-clock times, see `_deadlines`.
-        `lora`: a `LoRARequest` (engine/lora.py) to run it under that adapter, None for the
-        base model; see `_lora_name`."""
+        `lora`: a `LoRARequest` to run it under that adapter (it becomes `params.lora`, which
+        a request carries wherever it goes); None: `params.lora`, the base model by default.
+        See `_lora_name`."""
         request = self.make_request(
             prompt,
             params,
@@ -133,6 +135,8 @@ class EngineCore:
         a request resumed elsewhere with its output so far is rebuilt from (then given to
         `import_request`)."""
         params = params or SamplingParams()
+        if lora is not None:
+            params = dataclasses.replace(params, lora=lora)
         if params.n != 1:
             raise ValueError(
                 f"one request is one sample (n={params.n}): add each with params.for_sample(i)"
@@ -159,7 +163,7 @@ class EngineCore:
                 raise ValueError(
                     f"logit_bias token ids must be in [0, {vocab}); got {', '.join(map(str, bad))}"
                 )
-        lora_name = self._lora_name(lora)
+        lora_name = self._lora_name(params.lora)
         stop_ids = list(params.stop_token_ids or ())
         if not params.ignore_eos:
             stop_ids.extend(self.eos_token_ids)
@@ -179,6 +183,11 @@ class EngineCore:
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = PromptLogprobs(len(prompt_ids), params.prompt_logprobs)
         return request
+
+    def check_lora(self, lora: LoRARequest) -> None:
+        """Read and validate an adapter for this engine now (a ValueError saying why not), as
+        its first request would; it is known here from then on."""
+        self._lora_name(lora)
 
     def _lora_name(self, lora: Any) -> str | None:
         """The adapter name a request runs under. An adapter is read from its path the first
@@ -372,6 +381,8 @@ class EngineCore:
 
     def import_request(self, migrated: MigratedRequest) -> None:
         request = migrated.request
+        if request.sampling_params is not None:  # its adapter, known here from now (or refused)
+            self._lora_name(request.sampling_params.lora)
         wall = migrated.extra.get("deadlines")
         if wall is not None:  # the deadlines it had where it came from, in this clock
             request.deadline, request.queue_deadline = self._deadlines(None, wall)

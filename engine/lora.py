@@ -31,6 +31,9 @@ from safetensors.torch import load_file
 from torch import nn
 
 from fairbatch.engine.config import FUSED_CHECKPOINTS, ModelConfig
+from fairbatch.engine.sampling_params import LoRARequest
+
+__all__ = ["LoRAAdapter", "LoRAPool", "LoRARequest", "attach_lora", "lora_delta"]
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -98,15 +101,6 @@ def module_shape(config: ModelConfig, module: str) -> tuple[int, int]:
         "qkv_proj": (h, q + 2 * kv),
         "gate_up_proj": (h, 2 * inter),
     }[module]
-
-
-@dataclass(frozen=True)
-class LoRARequest:
-    """What a request names to run under an adapter: a name (the adapter's identity in the
-    engine: its pool slot and prefix-cache salt) and the PEFT directory it is loaded from."""
-
-    name: str
-    path: str
 
 
 @dataclass(frozen=True)

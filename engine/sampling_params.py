@@ -70,6 +70,21 @@ def _check_range(name: str, value: float, lo: float, hi: float, *, lo_open: bool
         raise ValueError(f"{name} must be in {left}{lo}, {hi}], got {value!r}")
 
 
+@dataclass(frozen=True)
+class LoRARequest:
+    """What a request names to run under a LoRA adapter: a name (the adapter's identity in the
+    engine: its pool slot and prefix-cache salt) and the PEFT directory it is loaded from."""
+
+    name: str
+    path: str
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.name, str) and self.name):
+            raise ValueError(f"a LoRA adapter name must be a non-empty string, got {self.name!r}")
+        if not (isinstance(self.path, str) and self.path):
+            raise ValueError(f"a LoRA adapter path must be a non-empty string, got {self.path!r}")
+
+
 @dataclass
 class SamplingParams:
     """How to pick each next token of one request, and when to stop.
@@ -102,6 +117,9 @@ class SamplingParams:
     structured_output: GrammarSpec | None = None
     timeout: float | None = None  # seconds from arrival to the end, then "timeout"
     max_queue_time_s: float | None = None  # seconds from arrival to the first scheduled token
+    # run under this LoRA adapter (None: the base model); carried with the request wherever it
+    # goes (a resubmission, a move), like the grammar above
+    lora: LoRARequest | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
@@ -173,6 +191,8 @@ class SamplingParams:
         so = self.structured_output
         if so is not None and not isinstance(so, GrammarSpec):
             raise ValueError(f"structured_output must be a GrammarSpec or None, got {so!r}")
+        if self.lora is not None and not isinstance(self.lora, LoRARequest):
+            raise ValueError(f"lora must be a LoRARequest or None, got {self.lora!r}")
 
     def for_sample(self, index: int) -> SamplingParams:
         """The parameters of sample `index` (0 <= index < n) run as a request of its own:

@@ -33,6 +33,9 @@ Backend protocol (duck-typed; only `generate`, `abort`, `tokenizer`, `max_model_
   tenant's complete new settings, called at app start-up for every configured tenant and on
   every admin change. `tokens_per_minute` None = unlimited.
 * optional `check_health()` (sync or async) -> bool: False or an exception makes /health 503.
+* optional `check_lora(lora)` (sync or async): read and validate a `LoRARequest`'s adapter as
+  the engines would serve it; a ValueError saying why not. Without it the backend serves no
+  adapters. A request runs under an adapter when its `params.lora` names one.
 * optional `stats()` (sync or async) -> dict: the engines' counters (`EngineCore.stats()`
   keys, summed over replicas), served to the admin at GET /admin/stats.
 """
@@ -80,6 +83,9 @@ class LocalBackend:
             raise ValueError("the OpenAI API needs an engine with a tokenizer")
         self.tokenizer = core.tokenizer
         self.max_model_len: int = core.scheduler.max_model_len
+
+    async def check_lora(self, lora: Any) -> None:
+        await self.engine.call(self.engine.engine.check_lora, lora)
 
     @classmethod
     def build(cls, model: str = "tiny", **engine_kwargs: Any) -> LocalBackend:

@@ -81,6 +81,14 @@ class LimitsConfig(_Strict):
     max_prompts_per_request: int = Field(default=64, ge=1, le=4096)  # /v1/completions batches
 
 
+class LoRAAdapterConfig(_Strict):
+    """A LoRA adapter served as a model: requests whose `model` is `name` run it."""
+
+    name: str = Field(min_length=1, max_length=128, pattern=NAME)
+    path: str = Field(min_length=1)  # a PEFT adapter directory every replica can read
+    tenants: list[str] | None = None  # who may use it; None: every tenant
+
+
 class MetricsConfig(_Strict):
     """GET /metrics (Prometheus text). Open by default: `fairbatch serve` binds loopback, so
     whoever can reach the port can read it (tenant names and load, never keys or text)."""
@@ -114,6 +122,8 @@ class AppConfig(_Strict):
     # `reasoning_content` (deployments/api/reasoning.py); "qwen3" the same for an output that
     # opens with <think> (none with enable_thinking false). None: the output is the content.
     reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = None
+    # LoRA adapters served as models besides the base model (the engine needs max_loras > 0)
+    lora_adapters: list[LoRAAdapterConfig] = Field(default_factory=list)
     # Cluster-layer settings (replicas, routing, engine kwargs) are passed through untouched
     # for the app builder; the ingress itself does not read them.
     num_replicas: int = Field(default=1, ge=1)
@@ -149,6 +159,14 @@ class AppConfig(_Strict):
                 if t.api_key_sha256 == self.admin_api_key_sha256:
                     raise ValueError(f"tenants.{i}: a tenant key must differ from the admin key")
                 digests.add(t.api_key_sha256)
+        adapters: set[str] = set()
+        for i, a in enumerate(self.lora_adapters):
+            if a.name in adapters or a.name == self.model_name:
+                raise ValueError(f"lora_adapters.{i}.name: {a.name!r} names another model")
+            adapters.add(a.name)
+            unknown = sorted(set(a.tenants or ()) - names - {self.anonymous_tenant})
+            if unknown:
+                raise ValueError(f"lora_adapters.{i}.tenants: unknown tenants {unknown}")
         return self
 
     @property

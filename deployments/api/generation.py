@@ -6,6 +6,7 @@ every sample through the app's `_Api` (server.py), and answers whole or as a str
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
@@ -44,7 +45,7 @@ async def completions(request: Request) -> Any:
     tenant = api.tenant(request)
     api.ready()
     body = validate(S.CompletionRequest, await read_json(request, api.limits.max_body_bytes))
-    api.check_model(body.model)
+    lora = api.check_model(body.model, tenant)
     body.check_unsupported()
     body.check_stream_options()
     stop = body.stop_list(api.limits.max_stop_sequences)
@@ -66,6 +67,8 @@ async def completions(request: Request) -> Any:
             deadlines=tenant.deadlines,
         )
         params = with_grammar(params, grammar)
+        if lora is not None:
+            params = dataclasses.replace(params, lora=lora)
         jobs.append((prompt if isinstance(prompt, str) else None, ids, params))
     started = await api.launch(request, tenant, "cmpl-", [(ids, p) for _, ids, p in jobs])
     runs = []
@@ -77,6 +80,7 @@ async def completions(request: Request) -> Any:
         runs.append(ResponseRun(
             api, ticket, it, first, chat=False, top_n=body.logprobs,
             index=job * params.n + sample, echo=echo, discard_output=body.max_tokens == 0,
+            model=body.model,
         ))  # fmt: skip
     return await _respond(request, runs, body)
 
@@ -133,7 +137,7 @@ async def _chat_runs(
 ) -> list[ResponseRun]:
     """A validated chat body admitted and started: one run per sample, its request ids
     starting with `prefix`."""
-    api.check_model(body.model)
+    lora = api.check_model(body.model, tenant)
     body.check_unsupported()
     body.check_stream_options()
     messages = body.chat_messages()
@@ -158,10 +162,13 @@ async def _chat_runs(
     reasoning = reasoning_mode(cfg.reasoning_parser, kwargs, text)
     plan = await chat_plan(body, cfg.tool_call_parser, reasoning)
     params = with_plan(params, plan)
+    if lora is not None:
+        params = dataclasses.replace(params, lora=lora)
     launched = await api.launch(request, tenant, prefix, [(ids, params)])
     return [
         ResponseRun(
-            api, ticket, it, first, chat=True, top_n=top_n, output=plan.converter(), index=sample
-        )
+            api, ticket, it, first, chat=True, top_n=top_n, output=plan.converter(), index=sample,
+            model=body.model,
+        )  # fmt: skip
         for ticket, it, first, _, sample in launched
     ]

@@ -49,8 +49,10 @@ class ResponseRun:
         echo: tuple[str, list[int]] | None = None,
         discard_output: bool = False,
         output: Any = None,
+        model: str | None = None,
     ) -> None:
         self.api = api
+        self.model = model or api.model_name  # the id it named: an adapter's or the base's
         self.ticket = ticket
         self.it = it
         self.first = first
@@ -241,7 +243,7 @@ def _body(runs: list[ResponseRun], choices: list[dict]) -> dict:
         "id": lead.ticket.request_id,
         "object": ("chat.completion.chunk" if lead.chat else "text_completion"),
         "created": lead.created,
-        "model": lead.api.model_name,
+        "model": lead.model,
         "choices": choices,
     }
 

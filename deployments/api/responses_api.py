@@ -255,7 +255,7 @@ class ResponseBuilder:
             "object": "response",
             "created_at": self.run.created,
             "status": status,
-            "model": self.run.api.model_name,
+            "model": self.run.model,
             "output": list(self.output),
             "error": error,
             "incomplete_details": _incomplete(finish),

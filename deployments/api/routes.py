@@ -1,6 +1,8 @@
-"""The routes around generation: GET /health, GET /v1/models[/{model}], the caller's own
-requests (GET|DELETE /v1/requests/{id}), and the admin routes (GET /admin/tenants,
-GET /admin/stats, PATCH /admin/tenants/{name}). Each reads the app's `_Api` (server.py)."""
+"""The routes around generation: GET /health, GET /v1/models[/{model}] (the base model and
+the LoRA adapters the caller may use), the caller's own requests (GET|DELETE
+/v1/requests/{id}), and the admin routes (GET /admin/tenants, GET /admin/stats, PATCH
+/admin/tenants/{name}, GET|POST /admin/loras, DELETE /admin/loras/{name}). Each reads the
+app's `_Api` (server.py)."""
 
 from __future__ import annotations
 
@@ -37,22 +39,30 @@ async def health(request: Request) -> JSONResponse:
     return JSONResponse({"status": "ok"})
 
 
+def _card(api: _Api, name: str) -> dict:
+    """A model's card: the base model's, or an adapter's (whose `parent` is the base)."""
+    card = S.model_card(name, api.created, api.max_model_len)
+    if name != api.model_name:
+        card.update(root=name, parent=api.model_name)
+    return card
+
+
 @router.get("/v1/models")
 async def models(request: Request) -> dict:
     api: _Api = request.app.state.api
-    api.tenant(request)
+    tenant = api.tenant(request)
     api.ready()
-    card = S.model_card(api.model_name, api.created, api.max_model_len)
-    return {"object": "list", "data": [card]}
+    names = [api.model_name, *(e.name for e in api.loras.visible(tenant.name))]
+    return {"object": "list", "data": [_card(api, name) for name in names]}
 
 
 @router.get("/v1/models/{model:path}")
 async def model(model: str, request: Request) -> dict:
     api: _Api = request.app.state.api
-    api.tenant(request)
+    tenant = api.tenant(request)
     api.ready()
-    api.check_model(model)
-    return S.model_card(api.model_name, api.created, api.max_model_len)
+    api.check_model(model, tenant)
+    return _card(api, model)
 
 
 # ---- the caller's own requests -----------------------------------------------------------------
@@ -160,3 +170,30 @@ async def patch_tenant(name: str, request: Request) -> dict:
         raise ApiError(502, "the backend refused the tenant update", type="server_error") from None
     log.info("admin updated tenant %s", name)
     return state.public()
+
+
+@router.get("/admin/loras")
+async def list_loras(request: Request) -> dict:
+    api: _Api = request.app.state.api
+    api.require_admin(request)
+    return {"object": "list", "data": [e.public() for e in api.loras.entries.values()]}
+
+
+@router.post("/admin/loras")
+async def load_lora(request: Request) -> dict:
+    """Serve a LoRA adapter from now on, once the backend has read and validated it (a 400
+    with the reason, and nothing changed, when it cannot)."""
+    api: _Api = request.app.state.api
+    api.require_admin(request)
+    api.ready()
+    body = validate(S.LoRALoad, await read_json(request, api.limits.max_body_bytes))
+    return await api.load_lora(body.name, body.path, body.tenants)
+
+
+@router.delete("/admin/loras/{name}")
+async def unload_lora(name: str, request: Request) -> dict:
+    """Stop serving an adapter: new requests for it get 404 at once; those already accepted
+    run to their end."""
+    api: _Api = request.app.state.api
+    api.require_admin(request)
+    return api.unload_lora(name)

@@ -417,6 +417,15 @@ def finish_reason(reason: str | None) -> str | None:
     return reason if reason in ("length", "timeout") else "stop"
 
 
+class LoRALoad(BaseModel):
+    """POST /admin/loras: a PEFT adapter directory to serve as model `name`."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.\-]+$")
+    path: str = Field(min_length=1)
+    tenants: list[str] | None = None  # who may use it; None: every tenant
+
+
 def model_card(name: str, created: int, max_model_len: int) -> dict:
     return {
         "id": name,

@@ -46,6 +46,7 @@ from fairbatch.deployments.api.http import (
     until_disconnect,
     validation_message,
 )
+from fairbatch.deployments.api.loras import LoRARegistry
 from fairbatch.deployments.api.prometheus import ApiMetrics, add_metrics_route
 from fairbatch.deployments.api.schemas import ApiError, bad_request
 from fairbatch.deployments.api.tenants import (
@@ -55,6 +56,7 @@ from fairbatch.deployments.api.tenants import (
     TenantRegistry,
     TenantState,
 )
+from fairbatch.engine.sampling_params import LoRARequest
 
 log = logging.getLogger("fairbatch.api")
 TOKENIZE_IN_THREAD_CHARS = 4096  # longer texts are tokenized off the event loop
@@ -78,6 +80,9 @@ class _Api:
         if config.anonymous_risk is not None:
             log.warning("%s", config.anonymous_risk)
         self.model_name = config.model_name
+        self.loras = LoRARegistry(self.model_name)
+        for a in config.lora_adapters:  # checked against the engine when a backend is bound
+            self.loras.add(self.loras.entry(a.name, a.path, a.tenants))
         self.created = int(time.time())
         self.backend: Any = None
         if backend is not None:
@@ -129,14 +134,50 @@ class _Api:
 
     # -- prompts -------------------------------------------------------------------------------
 
-    def check_model(self, model: str) -> None:
-        if model != self.model_name:
-            raise ApiError(
-                404,
-                f"The model '{model}' does not exist; this server serves '{self.model_name}'",
-                param="model",
-                code="model_not_found",
-            )
+    def check_model(self, model: str, tenant: TenantState) -> LoRARequest | None:
+        """What `model` runs for `tenant`: the base model (None) or a LoRA adapter; 404 for
+        an unknown model, 403 for an adapter the tenant may not use."""
+        return self.loras.resolve(model, tenant.name)
+
+    async def check_lora(self, lora: LoRARequest) -> None:
+        """Have the backend read and validate an adapter: a 400 saying why it cannot serve it."""
+        check = getattr(self.backend, "check_lora", None)
+        if check is None:
+            raise bad_request("this backend serves no LoRA adapters", "name")
+        try:
+            await maybe_await(check(lora))
+        except ValueError as e:
+            raise bad_request(f"LoRA adapter {lora.path!r}: {str(e)[:500]}", "path") from None
+
+    async def load_lora(self, name: str, path: str, tenants: list[str] | None) -> dict:
+        """Serve the adapter at `path` as model `name` (to `tenants`; None: all), once the
+        backend has read and validated it: a 400 with the reason, and nothing changed, when
+        it cannot; a 409 when `name` is loaded already."""
+        unknown = sorted(set(tenants or ()) - set(self.registry.tenants))
+        if unknown:
+            raise bad_request(f"unknown tenants {unknown}", "tenants")
+        entry = self.loras.entry(name, path, tenants)
+        await self.check_lora(entry.lora)
+        self.loras.add(entry)
+        log.info("loaded LoRA adapter %s from %s", name, path)
+        return entry.public()
+
+    def unload_lora(self, name: str) -> dict:
+        """Stop serving adapter `name`: new requests for it get 404 from now on; requests
+        already accepted run to their end under it."""
+        entry = self.loras.remove(name)
+        log.info("unloaded LoRA adapter %s", name)
+        return {**entry.public(), "deleted": True}
+
+    async def check_configured_loras(self) -> None:
+        """The configured adapters, checked once a backend is bound: a broken one is dropped
+        (and logged), the others are served."""
+        for entry in list(self.loras.entries.values()):
+            try:
+                await self.check_lora(entry.lora)
+            except ApiError as e:
+                log.error("LoRA adapter %s is not served: %s", entry.name, e.message)
+                self.loras.remove(entry.name)
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         try:
@@ -332,6 +373,7 @@ def create_app(
     async def lifespan(app: FastAPI):
         if api.backend is not None:
             await api.push_tenants()
+            await api.check_configured_loras()
         yield
 
     app = FastAPI(title="fairbatch", lifespan=lifespan, docs_url=None, redoc_url=None)
@@ -391,3 +433,4 @@ async def bind_backend(app: FastAPI, backend: Any) -> None:
     api: _Api = app.state.api
     api.bind(backend)
     await api.push_tenants()
+    await api.check_configured_loras()

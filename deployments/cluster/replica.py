@@ -449,6 +449,15 @@ class Replica(Reports):
     async def ping(self) -> str:
         return self.replica_id
 
+    async def check_lora(self, lora: Any) -> str | None:
+        """Read and validate a LoRA adapter as this replica's engine would serve it: None when
+        it can, else why not (the directory, the config, the shapes, the engine's limits)."""
+        try:
+            await self.engine.call(self.core.check_lora, lora)
+        except ValueError as e:
+            return str(e)
+        return None
+
     async def check(self) -> dict:
         """Pool integrity (raises if broken) and whether everything is free again."""
 

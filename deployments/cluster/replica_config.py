@@ -42,6 +42,9 @@ class ReplicaConfig:
     dtype: str = "auto"
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # CUDA: no decode CUDA graphs
+    # LoRA adapters served at once (pool slots; 0: none) and the largest rank one may have
+    max_loras: int = 0
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         """Bad values fail here, where a config is read, not in a replica starting later."""
@@ -51,7 +54,14 @@ class ReplicaConfig:
             max_model_len=self.max_model_len,
             preemption_mode=self.preemption_mode,
         )
-        at_least = {"num_gpu_blocks": 1, "num_cpu_blocks": 0, "block_size": 1, "torch_threads": 1}
+        at_least = {
+            "num_gpu_blocks": 1,
+            "num_cpu_blocks": 0,
+            "block_size": 1,
+            "torch_threads": 1,
+            "max_loras": 0,
+            "max_lora_rank": 1,
+        }
         for name, low in at_least.items():
             if getattr(self, name) < low:
                 raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")
@@ -110,6 +120,8 @@ def build_core(cfg: ReplicaConfig) -> EngineCore:
         dtype=None if cfg.dtype == "auto" else getattr(torch, cfg.dtype),
         enable_prefix_caching=cfg.enable_prefix_caching,
         enforce_eager=cfg.enforce_eager,
+        max_loras=cfg.max_loras,
+        max_lora_rank=cfg.max_lora_rank,
     )
 
 

@@ -114,6 +114,18 @@ class ClusterBackend:
             timeout=UPDATE_TIMEOUT_S,
         )
 
+    async def check_lora(self, lora: Any) -> None:
+        """Every replica in service reads and validates the adapter (requests for it may go
+        to any of them): a ValueError with the first one's reason if one cannot serve it."""
+
+        async def check() -> list[str | None]:
+            handles = await self.handles.controller.replica_handles.remote()
+            return await asyncio.gather(*(h.check_lora.remote(lora) for h in handles.values()))
+
+        for error in await asyncio.wait_for(check(), UPDATE_TIMEOUT_S):
+            if error is not None:
+                raise ValueError(error)
+
     async def check_health(self) -> bool:
         await asyncio.wait_for(self.handles.controller.ready.remote(0), HEALTH_TIMEOUT_S)
         return True

@@ -72,6 +72,7 @@ class GenerateRequest(BaseModel):
     # HTTP API's chat field of the same name
     chat_template_kwargs: dict[str, Any] | None = None
     tenant: str | None = None  # None = the anonymous default tenant
+    model: str | None = None  # a LoRA adapter's name, or the base model's id; None = the base
     priority: int | None = Field(default=None, ge=-1000, le=1000)  # None = the tenant's
     request_id: str | None = Field(default=None, min_length=1, max_length=128)
     max_tokens: int | None = Field(default=None, ge=1)
@@ -161,6 +162,7 @@ class HandleApi:
                 raise ValueError("name the request's tenant: this app has no anonymous tenant")
             if tenant is None:
                 raise ValueError(f"unknown tenant {req.tenant!r}")
+            lora = None if req.model is None else api.check_model(req.model, tenant)
             ids = await self._prompt_ids(api, req)
             max_tokens = api.max_tokens(len(ids), req.max_tokens, api.limits.default_max_tokens)
         except ApiError as e:  # keyword-only init: would not unpickle at the caller
@@ -181,6 +183,7 @@ class HandleApi:
             max_queue_time_s=tenant.deadlines[1]
             if req.max_queue_time_s is None
             else req.max_queue_time_s,
+            lora=lora,
         )
         ticket = self._admit(api, tenant, req, len(ids))
         priority = tenant.priority if req.priority is None else req.priority
@@ -230,6 +233,24 @@ class HandleApi:
             api.finish_log(ticket, outcome)
             await asyncio.shield(merged.aclose())
             await close_stream(it)  # (closed already if the coalescer's reader stopped it)
+
+    async def load_lora(self, name: str, path: str, tenants: list[str] | None = None) -> dict:
+        """Serve the PEFT adapter at `path` as model `name`, to `tenants` (None: every tenant),
+        once every replica has read and validated it; a ValueError saying why not."""
+        api = self.api_app.state.api
+        try:
+            api.ready()
+            return await api.load_lora(name, path, tenants)
+        except ApiError as e:
+            raise ValueError(e.message) from None
+
+    async def unload_lora(self, name: str) -> dict:
+        """Stop serving adapter `name`: calls naming it fail from now on; those already
+        accepted run to their end."""
+        try:
+            return self.api_app.state.api.unload_lora(name)
+        except ApiError as e:
+            raise ValueError(e.message) from None
 
     @staticmethod
     async def _prompt_ids(api: Any, req: GenerateRequest) -> list[int]:
