@@ -16,6 +16,13 @@ from collections.abc import Iterable, Iterator, Sequence
 MAX_TOKEN_ID = 2**32 - 1  # the prefix cache packs token ids as uint32 (kv.block_pool)
 
 
+def lora_salt(salt: str, lora_name: str | None) -> str:
+    """The prefix-cache salt of a request with `salt` run under adapter `lora_name` (None: the
+    base model, `salt` itself). The cluster's client hashes prompts with it too, so a request
+    is routed to the replica caching its prefix under the same adapter."""
+    return salt if lora_name is None else f"{salt}\x00lora:{lora_name}"
+
+
 class RequestStatus(enum.IntEnum):
     WAITING = 0  # queued; has no GPU blocks (new, or preempted for recompute)
     RUNNING = 1  # holds GPU blocks and is scheduled every step it fits
@@ -112,8 +119,7 @@ class Request:
         # The LoRA adapter it runs under (None: the base model). Its K/V differ from the base
         # model's and other adapters', so the adapter salts the prefix cache too.
         self.lora_name = lora_name
-        if lora_name is not None:
-            self.cache_salt = f"{self.cache_salt}\x00lora:{lora_name}"
+        self.cache_salt = lora_salt(self.cache_salt, lora_name)
         self.num_computed_tokens = 0
         self.status = RequestStatus.WAITING
         self.num_preemptions = 0

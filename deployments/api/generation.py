@@ -167,8 +167,15 @@ async def _chat_runs(
     launched = await api.launch(request, tenant, prefix, [(ids, params)])
     return [
         ResponseRun(
-            api, ticket, it, first, chat=True, top_n=top_n, output=plan.converter(), index=sample,
+            api,
+            ticket,
+            it,
+            first,
+            chat=True,
+            top_n=top_n,
+            output=plan.converter(),
+            index=sample,
             model=body.model,
-        )  # fmt: skip
+        )
         for ticket, it, first, _, sample in launched
     ]

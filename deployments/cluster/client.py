@@ -55,6 +55,7 @@ from fairbatch.deployments.cluster.wire import (
 )
 from fairbatch.engine.sampling_params import SamplingParams
 from fairbatch.kv.block_pool import hash_block
+from fairbatch.scheduler.request import lora_salt
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +147,8 @@ class ClusterClient:
         """Stream the request's items. `on_assign` is called with each assignment the
         controller makes for it (once, plus once per resubmission)."""
         params = params or SamplingParams()
+        lora = params.lora
+        salt = lora_salt(cache_salt or tenant, None if lora is None else lora.name)  # the engine's
         meta = RequestMeta(
             request_id or uuid.uuid4().hex,
             list(prompt_ids),
@@ -153,7 +156,7 @@ class ClusterClient:
             tenant=tenant,
             priority=priority,
             cache_salt=cache_salt,
-            prefix_hashes=self.prefix_hashes(list(prompt_ids), cache_salt or tenant),
+            prefix_hashes=self.prefix_hashes(list(prompt_ids), salt),
             fork_of=fork_of,
             consumer=self._consumer(),
         )

@@ -78,6 +78,11 @@ def offline(loras):
     return [list(o.token_ids) for o in outs]
 
 
+async def run_one(cluster, loras, i: int) -> list[dict]:
+    client = ClusterClient(cluster.controller, item_timeout_s=60)
+    return [await collect(client, prompt(i), params_of(loras, i))]
+
+
 def test_mixed_adapters_on_both_replicas_match_the_offline_engine(cluster, loras, offline):
     async def run() -> list[dict]:
         client = ClusterClient(cluster.controller, item_timeout_s=60)
@@ -88,6 +93,11 @@ def test_mixed_adapters_on_both_replicas_match_the_offline_engine(cluster, loras
     assert len({r["replicas"][0] for r in served}) == 2  # both replicas took some
     for i, (r, want) in enumerate(zip(served, offline)):
         assert r["tokens"] == want and len(want) == 40, i
+    # sent again under its adapter, a prompt goes to the replica caching it under that adapter
+    # (the client hashes it with the adapter's salt, as the replica's cache does)
+    (again,) = asyncio.run(asyncio.wait_for(run_one(cluster, loras, 5), 60))
+    assert again["replicas"][0] == served[5]["replicas"][0]
+    assert again["items"][0].num_cached_tokens == 16  # its 24-token prompt's full block
     # the adapters matter: each changes the base model's tokens of some prompt
     base = [offline[i] for i in range(8) if NAMES[i % 4] is None]
     assert all(offline[i] not in base for i in range(8) if NAMES[i % 4] is not None)

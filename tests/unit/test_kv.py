@@ -331,3 +331,27 @@ def test_hash_block_rejects_token_ids_outside_uint32_clearly():
     for bad in ([-1, 2], [2**32, 2], [1.5, 2]):
         with pytest.raises(ValueError, match=r"token ids must be integers in \[0, 2\*\*32\)"):
             hash_block(None, bad, "s")
+
+
+def test_the_cluster_client_hashes_a_lora_prompt_as_its_replica_caches_it():
+    # The controller routes by the client's prompt hashes against those replicas report: under
+    # an adapter both must use the adapter-salted chain, or LoRA requests never find their
+    # cached prefixes (and an adapter's never match the base model's).
+    from types import SimpleNamespace
+
+    ray = pytest.importorskip("ray")  # noqa: F841 (the client module imports it)
+    from fairbatch.deployments.cluster.client import ClusterClient
+    from fairbatch.scheduler.request import lora_salt
+
+    tokens = list(range(100, 112))  # 3 full blocks of 4
+    kv = KVCacheManager(num_gpu_blocks=8, block_size=4)
+    chains = {}
+    for lora in (None, "x"):
+        r = Request(f"r-{lora}", tokens, max_tokens=8, tenant="t", lora_name=lora)
+        kv.allocate_slots(r, len(tokens))
+        r.num_computed_tokens = len(tokens)
+        kv.cache_computed_blocks(r)
+        chains[lora] = list(kv.req_hashes[r.request_id])
+        client = SimpleNamespace(block_size=4)
+        assert ClusterClient.prefix_hashes(client, tokens, lora_salt("t", lora)) == chains[lora]
+    assert len(chains["x"]) == 3 and not set(chains["x"]) & set(chains[None])
