@@ -134,6 +134,8 @@ class ServeAppConfig(AppConfig):
         except ValueError as e:
             raise ValueError(f"engine: {e}") from None
         _check_policy(engine, "priority", "engine")
+        if self.lora_adapters and not engine.get("max_loras"):
+            raise ValueError("lora_adapters: set engine.max_loras (adapter slots per replica)")
         object.__setattr__(self, "engine", engine)
         return self
 
