@@ -27,6 +27,7 @@ from loopback import (  # noqa: E402
     wait_for,
     wait_healthy,
 )
+from lora_adapters import make_tiny_adapter  # noqa: E402
 from ray import serve  # noqa: E402
 
 from fairbatch.deployments.api.config import sha256_hex  # noqa: E402
@@ -102,6 +103,11 @@ def served(tmp_path_factory):
             }
         ],
     }
+    # a LoRA adapter for tenant "h" (test_lora_adapter_through_the_cluster)
+    args = config["applications"][0]["args"]
+    args["engine"].update(max_loras=1, max_lora_rank=8)
+    lora = make_tiny_adapter(tmp_path_factory.mktemp("lora") / "tiny-lora", seed=1)
+    args["lora_adapters"] = [{"name": "tiny-lora", "path": lora, "tenants": ["h"]}]
     path = tmp_path_factory.mktemp("serve") / "serve_config.yaml"
     path.write_text(yaml.safe_dump(config))
     serve_cli = Path(sys.executable).parent / "serve"
@@ -117,7 +123,7 @@ def served(tmp_path_factory):
         wait_app_running(DEPLOY_TIMEOUT_S)
         base = f"http://127.0.0.1:{http_port}"
         wait_healthy(base)
-        yield {"base": base, "metrics_port": metrics_port}
+        yield {"base": base, "metrics_port": metrics_port, "lora": lora}
     finally:
         try:
             serve.shutdown()
@@ -159,6 +165,8 @@ def test_args_are_validated_with_field_names():
         parse_app_args({"tenants": [{"name": "x", "weight": 0}]})
     with pytest.raises(ConfigError, match="num_replicas"):
         parse_app_args({"num_replicas": 0})
+    with pytest.raises(ConfigError, match="set engine.max_loras"):
+        parse_app_args({"lora_adapters": [{"name": "x", "path": "/p"}]})
     cfg = parse_app_args({"engine": "sim", "num_replicas": 3})
     assert cfg.model == "sim" and cfg.model_name == "fairbatch-sim" and cfg.num_replicas == 3
     example = parse_app_args({"config_file": str(REPO / "deployments" / "serve_config.yaml")})
@@ -176,6 +184,7 @@ def test_args_are_validated_with_field_names():
 def test_models_list_and_auth(served):
     models = client(served).models.list()
     assert [m.id for m in models.data] == [MODEL]
+    assert [m.id for m in client(served, "h").models.list().data] == [MODEL, "tiny-lora"]
     with pytest.raises(openai.AuthenticationError):
         client(served, None, default_headers={"Authorization": "Bearer nope"}).models.list()
 
@@ -204,6 +213,43 @@ def test_completion_usage_and_stop(served):
     assert cut.choices[0].finish_reason == "stop"
     assert cut.choices[0].text == text[: text.index(stop)]
     assert cut.usage.completion_tokens < 24
+
+
+def test_lora_adapter_through_the_cluster(served, tmp_path):
+    """The configured adapter serves tenant "h" the offline engine's tokens under it, and no
+    one else; the admin API loads through the replicas' own check (a broken directory is a
+    400 with their reason) and unloads."""
+    from fairbatch.engine import LLM, SamplingParams
+    from fairbatch.engine.sampling_params import LoRARequest
+
+    prompt = "The quick brown fox"
+    llm = LLM("tiny", max_loras=1, max_lora_rank=8)
+    greedy = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    (want,) = llm.generate([prompt], greedy, lora=LoRARequest("x", served["lora"]))
+    (base,) = llm.generate([prompt], greedy)
+    assert want.text != base.text
+
+    def complete(tenant, model):
+        return client(served, tenant).completions.create(
+            model=model, prompt=prompt, max_tokens=16, temperature=0,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+
+    got = complete("h", "tiny-lora")
+    assert (got.model, got.choices[0].text) == ("tiny-lora", want.text)
+    with pytest.raises(openai.PermissionDeniedError, match="may not use the LoRA adapter"):
+        complete("a", "tiny-lora")
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    url = served["base"] + "/admin/loras"
+    broken = {"name": "broken", "path": str(tmp_path / "missing")}
+    r = httpx.post(url, json=broken, headers=admin, timeout=60)
+    assert r.status_code == 400 and "missing" in r.json()["error"]["message"], r.text
+    again = {"name": "for-a", "path": served["lora"], "tenants": ["a"]}
+    assert httpx.post(url, json=again, headers=admin, timeout=60).status_code == 200
+    assert complete("a", "for-a").choices[0].text == want.text
+    assert httpx.delete(url + "/for-a", headers=admin, timeout=60).status_code == 200
+    with pytest.raises(openai.NotFoundError):
+        complete("a", "for-a")
 
 
 def test_no_access_log_line_per_request_unless_asked(served):
