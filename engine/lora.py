@@ -369,6 +369,10 @@ class LoRAPool:
         self._recent: OrderedDict[str, int] = OrderedDict()  # name -> slot, least recent first
         self.num_loads = 0  # adapters written into a slot (a reload after eviction counts)
 
+    def resident(self) -> list[str]:
+        """The adapters in a slot now (a request for one starts without a load)."""
+        return list(self._recent)
+
     def slot_of(self, name: str) -> int | None:
         """The slot holding adapter `name`, or None."""
         return self._recent.get(name)

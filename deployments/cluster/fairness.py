@@ -411,6 +411,7 @@ class FairnessCore:
                 changed = True
         if rep.prefix_hashes is not None:
             self.placement.set_hashes(r, rep.prefix_hashes)
+        r.loras = frozenset(rep.loras or ())
         if changed:
             self.placement.touch(r)
         if self._reads_hits and (changed or rep.prefix_hashes is not None):

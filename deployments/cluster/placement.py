@@ -7,9 +7,13 @@ deletion (an entry whose version is stale is skipped), so a pick is O(log R), no
 cache wins only where the request would start at once (the holder has a free seat) or wait no
 longer than elsewhere (no replica has fewer requests): a hit saves one prefill, a place in a
 full replica's local queue costs a whole request's decode while another replica's seat idles.
-The baselines ("round_robin", "power_of_two") route over the replicas in registration order;
-"prefix_affinity" routes at once to the replica caching the longest prefix (else the least
-loaded), whatever its load: locality first, as cache-aware routers do.
+A LoRA request with no cached prefix goes, on the same terms, to a replica holding its adapter
+in a slot (as its last report said; a scan of the replicas, for LoRA requests only); else to
+the least loaded, which loads it: Ray Serve's model multiplexing and S-LoRA also prefer the
+replicas holding the model. The baselines ("round_robin", "power_of_two") route over the
+replicas in registration order; "prefix_affinity" routes at once to the replica caching the
+longest prefix (else the least loaded), whatever its load: locality first, as cache-aware
+routers do.
 
 "d2lpm" (after the D2LPM of Cao et al., arXiv:2501.14312, with our own deficit): the global
 queue is served as in "fair", and the replica is chosen among those that cache at least
@@ -53,6 +57,7 @@ class ReplicaState:
         "version",
         "synced",
         "locality",
+        "loras",
     )
 
     def __init__(self, replica_id: str, index: int, slots: int, seats: int) -> None:
@@ -71,6 +76,7 @@ class ReplicaState:
         self.version = 0  # heap entries with another version are stale
         self.synced = False  # has this controller seen a report from it yet
         self.locality: dict[str, float] = {}  # d2lpm: tenant -> in-flight locality work here
+        self.loras: frozenset[str] = frozenset()  # LoRA adapters in its slots, last reported
 
     @property
     def load(self) -> int:
@@ -221,6 +227,17 @@ class Placement:
                         best = r
                 if best is not None:
                     return best
+        lora = None if meta is None else meta.params.lora
+        if lora is not None and lora.name not in least.loras:
+            # no cached prefix: a replica holding its adapter, on the same terms as a cache
+            # hit (no load to wait for); else the least loaded one loads it
+            held = [
+                r
+                for r in self.replicas.values()
+                if lora.name in r.loras and r.takes_for_locality(least.load)
+            ]
+            if held:
+                return min(held, key=lambda r: (r.load, r.index))
         return least
 
     def steals(self) -> Iterator[tuple[Ticket, ReplicaState, ReplicaState]]:

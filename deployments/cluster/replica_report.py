@@ -106,6 +106,7 @@ class Reports:
                 for rid, (tenant, prio, max_tokens) in list(self._meta.items())
             },
             prefix_hashes=hashes,
+            loras=None if s.loras is None else s.loras.pool.resident(),
             handle=handle,
         )
 

@@ -125,4 +125,5 @@ class ReplicaReport:
     # `running`: it holds a seat (or has just ended, its last items not delivered yet)
     active: dict[str, tuple[str, int, bool, int, int]]
     prefix_hashes: list[bytes] | None = None  # cached full-block hashes; None = unchanged
+    loras: list[str] | None = None  # LoRA adapters in its slots (engine names); None = none
     handle: Any = None  # the replica's own actor handle (registration, after restarts)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from fairbatch.deployments.cluster.fairness import (
     Assign,
     ControllerConfig,
@@ -10,7 +12,7 @@ from fairbatch.deployments.cluster.fairness import (
     Preempt,
 )
 from fairbatch.deployments.cluster.wire import ReplicaReport, RequestMeta
-from fairbatch.engine.sampling_params import SamplingParams
+from fairbatch.engine.sampling_params import LoRARequest, SamplingParams
 from fairbatch.policies import TenantSpec
 
 
@@ -31,7 +33,9 @@ class Reporter:
     def __init__(self, replica_id: str, seats: int = 1) -> None:
         self.replica_id, self.seats, self.seq = replica_id, seats, 0
 
-    def __call__(self, finished=(), active=None, service=None, hashes=None) -> ReplicaReport:
+    def __call__(
+        self, finished=(), active=None, service=None, hashes=None, loras=None
+    ) -> ReplicaReport:
         self.seq += 1
         return ReplicaReport(
             replica_id=self.replica_id,
@@ -48,7 +52,15 @@ class Reporter:
             finished=list(finished),
             active=active or {},
             prefix_hashes=hashes,
+            loras=loras,
         )
+
+
+def lora_meta(rid: str, lora: str | None) -> RequestMeta:
+    m = meta(rid)
+    if lora is not None:
+        m.params = dataclasses.replace(m.params, lora=LoRARequest(lora, f"/loras/{lora}"))
+    return m
 
 
 def assigned(actions) -> list[tuple[str, str]]:
@@ -305,3 +317,26 @@ def test_stats_count_each_tenants_queued_requests():
     core.cancel("b2")
     core.cancel("a2")
     assert core.stats()["queued_by_tenant"] == {"a": 2}
+
+
+def test_a_lora_request_goes_where_its_adapter_is_resident_while_it_would_not_wait():
+    core = FairnessCore(ControllerConfig(local_queue=1))
+    reps = {r: Reporter(r, seats=2) for r in ("r0", "r1", "r2")}
+    for rid, rep in reps.items():
+        core.report(rep(loras=["x"] if rid == "r1" else None))
+    # x is in r1's slots: its requests go there, past r0 (first of the least loaded) ...
+    assert assigned(core.submit(lora_meta("x1", "x"))) == [("x1", "r1")]
+    # ... base-model requests and an adapter resident nowhere go to the least loaded
+    assert assigned(core.submit(lora_meta("b1", None))) == [("b1", "r0")]
+    assert assigned(core.submit(lora_meta("y1", "y"))) == [("y1", "r2")]
+    # r1 has 1 of 2 seats taken: x still goes there; then its seats are full and it has more
+    # requests than the least loaded replica (1): x waits nowhere, it goes to r0
+    assert assigned(core.submit(lora_meta("x2", "x"))) == [("x2", "r1")]
+    assert assigned(core.submit(lora_meta("x3", "x"))) == [("x3", "r0")]
+    # r1 evicted x and r2 holds it now; b1 ended, so r0 is the least loaded again (1 request,
+    # as r2): x goes to r2, where it is resident
+    core.report(reps["r1"](loras=[]))
+    core.report(reps["r2"](loras=["y", "x"]))
+    core.report(reps["r0"](finished=[("b1", 10)]))
+    assert assigned(core.submit(lora_meta("x4", "x"))) == [("x4", "r2")]
+    assert assigned(core.submit(lora_meta("b2", None))) == [("b2", "r0")]
