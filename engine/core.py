@@ -72,6 +72,7 @@ class EngineCore:
         self.structured: StructuredOutput | None = None
         # requests evicted past a deadline, per (tenant, stage "queue" | "running")
         self.timed_out: Counter[tuple[str, str]] = Counter()
+        self._retiring_loras: set[str] = set()  # adapters no longer served, still in use here
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -189,6 +190,24 @@ class EngineCore:
         its first request would; it is known here from then on."""
         self._lora_name(lora)
 
+    def remove_lora(self, name: str) -> None:
+        """Forget adapter `name` (no longer served): its weights here and its slot go once no
+        request here runs under it (at once, or at a later `remove_lora` or adapter read).
+        Requests under it that are here already run to their end."""
+        if self.scheduler.loras is not None:
+            self._retiring_loras.add(name)
+            self._sweep_loras()
+
+    def _sweep_loras(self) -> None:
+        slots = self.scheduler.loras
+        used = {r.lora_name for r in self.scheduler.requests.values()}
+        if self.structured is not None:  # (held while their grammar compiles)
+            used |= {h.request.lora_name for h in self.structured.held.values()}
+        for name in self._retiring_loras - used:
+            slots.adapters.pop(name, None)
+            slots.pool.evict(name)
+        self._retiring_loras &= used
+
     def _lora_name(self, lora: Any) -> str | None:
         """The adapter name a request runs under. An adapter is read from its path the first
         time its name is used and validated then (a ValueError, and nothing changes); later
@@ -204,6 +223,8 @@ class EngineCore:
 
             adapter = LoRAAdapter.load(lora.path, slots.pool.config)
             slots.pool.check(adapter)
+            if self._retiring_loras:
+                self._sweep_loras()
             slots.adapters[lora.name] = adapter
         elif Path(known.path) != Path(lora.path):
             raise ValueError(

@@ -408,6 +408,13 @@ class LoRAPool:
         self._pins[slot] -= 1
         self._recent.move_to_end(name)
 
+    def evict(self, name: str) -> None:
+        """Free `name`'s slot now, if it has one that no request holds."""
+        slot = self._recent.get(name)
+        if slot is not None and self._pins[slot] == 0:
+            del self._recent[name]
+            self._names[slot] = None
+
     def _free_slot(self) -> int:
         if None in self._names:
             return self._names.index(None)

@@ -36,6 +36,8 @@ Backend protocol (duck-typed; only `generate`, `abort`, `tokenizer`, `max_model_
 * optional `check_lora(lora)` (sync or async): read and validate a `LoRARequest`'s adapter as
   the engines would serve it; a ValueError saying why not. Without it the backend serves no
   adapters. A request runs under an adapter when its `params.lora` names one.
+* optional `remove_lora(lora)` (sync or async): the adapter is no longer served; the engines
+  may drop it once the requests under it have ended.
 * optional `stats()` (sync or async) -> dict: the engines' counters (`EngineCore.stats()`
   keys, summed over replicas), served to the admin at GET /admin/stats.
 """
@@ -86,6 +88,9 @@ class LocalBackend:
 
     async def check_lora(self, lora: Any) -> None:
         await self.engine.call(self.engine.engine.check_lora, lora)
+
+    async def remove_lora(self, lora: Any) -> None:
+        await self.engine.call(self.engine.engine.remove_lora, lora.name)
 
     @classmethod
     def build(cls, model: str = "tiny", **engine_kwargs: Any) -> LocalBackend:

@@ -196,4 +196,4 @@ async def unload_lora(name: str, request: Request) -> dict:
     run to their end."""
     api: _Api = request.app.state.api
     api.require_admin(request)
-    return api.unload_lora(name)
+    return await api.unload_lora(name)

@@ -162,11 +162,17 @@ class _Api:
         log.info("loaded LoRA adapter %s from %s", name, path)
         return entry.public()
 
-    def unload_lora(self, name: str) -> dict:
+    async def unload_lora(self, name: str) -> dict:
         """Stop serving adapter `name`: new requests for it get 404 from now on; requests
-        already accepted run to their end under it."""
+        already accepted run to their end under it, after which the engines drop it."""
         entry = self.loras.remove(name)
         log.info("unloaded LoRA adapter %s", name)
+        remove = getattr(self.backend, "remove_lora", None)
+        if remove is not None:
+            try:
+                await maybe_await(remove(entry.lora))
+            except Exception:  # (it is not served any more; a replica keeps a copy until restart)
+                log.warning("engines did not drop LoRA adapter %s", name, exc_info=True)
         return {**entry.public(), "deleted": True}
 
     async def check_configured_loras(self) -> None:

@@ -449,6 +449,10 @@ class Replica(Reports):
     async def ping(self) -> str:
         return self.replica_id
 
+    async def remove_lora(self, name: str) -> None:
+        """The adapter is no longer served: dropped once the requests under it have ended."""
+        await self.engine.call(self.core.remove_lora, name)
+
     async def check_lora(self, lora: Any) -> str | None:
         """Read and validate a LoRA adapter as this replica's engine would serve it: None when
         it can, else why not (the directory, the config, the shapes, the engine's limits)."""

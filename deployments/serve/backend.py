@@ -126,6 +126,16 @@ class ClusterBackend:
             if error is not None:
                 raise ValueError(error)
 
+    async def remove_lora(self, lora: Any) -> None:
+        """Every replica in service drops the adapter once its requests under it have ended
+        (a replica started later never reads it)."""
+
+        async def remove() -> None:
+            handles = await self.handles.controller.replica_handles.remote()
+            await asyncio.gather(*(h.remove_lora.remote(lora.name) for h in handles.values()))
+
+        await asyncio.wait_for(remove(), UPDATE_TIMEOUT_S)
+
     async def check_health(self) -> bool:
         await asyncio.wait_for(self.handles.controller.ready.remote(0), HEALTH_TIMEOUT_S)
         return True

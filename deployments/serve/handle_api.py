@@ -248,7 +248,7 @@ class HandleApi:
         """Stop serving adapter `name`: calls naming it fail from now on; those already
         accepted run to their end."""
         try:
-            return self.api_app.state.api.unload_lora(name)
+            return await self.api_app.state.api.unload_lora(name)
         except ApiError as e:
             raise ValueError(e.message) from None
 

@@ -179,7 +179,7 @@ def test_unload_refuses_new_requests_and_lets_a_running_one_finish(server, dirs,
 
 
 def test_a_reload_under_the_same_name_serves_the_new_weights(server, dirs, offline):
-    _, url, _ = server
+    loop, url, _ = server
     for path, want in [(dirs["a"], offline["a"]), (dirs["c"], offline["c"])]:
         call(url, "DELETE", "/admin/loras/re", ADMIN)
         load = {"name": "re", "path": path}
@@ -188,6 +188,16 @@ def test_a_reload_under_the_same_name_serves_the_new_weights(server, dirs, offli
         assert r.json()["choices"][0]["text"] == want
     assert call(url, "DELETE", "/admin/loras/re", ADMIN).status_code == 200
     assert call(url, "DELETE", "/admin/loras/re", ADMIN).status_code == 404
+    # the engine dropped every unloaded adapter (the weights and the slot), "c" too, unloaded
+    # while a request ran under it: dropped at the next adapter read once that one ended
+    backend = server[2].state.api.backend
+
+    def held():
+        slots = backend.engine.engine.scheduler.loras
+        return sorted(slots.adapters), sorted(slots.pool.resident())
+
+    adapters, resident = loop.run(backend.engine.call(held))
+    assert adapters == ["a", "b"] and set(resident) <= {"a", "b"}
 
 
 def test_the_handle_api_selects_loads_and_unloads_adapters(server, dirs, offline):
