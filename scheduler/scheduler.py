@@ -9,12 +9,15 @@ Each step walks three queues in a fixed order:
                 but none that a swapped request still out precedes in that order (swapped work
                 is not starved by new work); a waiting request of strictly higher priority
                 preempts a lower one when seats (max_num_seqs) or blocks are what is short.
+                Only a request that waits for a LoRA adapter slot is overtaken, by the first
+                request in policy order that needs none (the rule is in `loras.py`).
 Step 1 before 2 and 3 means a running request is never starved by admissions; stopping 2 and 3
 after a preemption keeps a step from freeing blocks and handing them straight back (thrash) and
 keeps a freed GPU block from being both a swap-out source and a swap-in target in one step.
 
 Parallel sampling (n > 1 samples of one prompt): see `forks.py`. LoRA adapters (a request
-waits until its adapter has a slot, and pins it while running): see `loras.py`.
+waits until its adapter has a slot, and pins it while running; who may overtake it and why it
+cannot starve): see `loras.py`.
 """
 
 from __future__ import annotations
@@ -154,6 +157,8 @@ class Scheduler:
             self.forks.remove(request)
         else:
             self.policy.remove(request)
+        if self.loras is not None:
+            self.loras.forget(request)
 
     def _release_siblings(self, parent: Request, can_fork: bool) -> list[Request]:
         """The siblings held for `parent`, forked (returned, for the caller to start) or
@@ -241,7 +246,7 @@ class Scheduler:
             extra = blocks_after - self.kv.num_swapped_blocks(request)
             if not self.kv.can_swap_in(request, extra):
                 break  # keep policy order: no later swapped request jumps this one
-            if self.loras is not None and not self.loras.can_start(request):
+            if self.loras is not None and not self.loras.can_resume(request):
                 break  # every adapter slot is in use: it waits, as for blocks
             self.swapped.pop(0)
             mapping = self.kv.swap_in(request)
@@ -266,6 +271,9 @@ class Scheduler:
                 if len(self.running) >= seats and not self.priority_preemption:
                     return  # no seat, and nobody may take one
                 request = policy.peek()
+                if request is not None and self.loras is not None:
+                    if not self.loras.can_start(request):  # it waits for an adapter slot
+                        request = self._first_startable()
                 if request is None:
                     return
                 if request.request_id in out.preempted_recompute:
@@ -287,8 +295,6 @@ class Scheduler:
             n = min(remaining, budget)
             if n < remaining and not self.config.enable_chunked_prefill:
                 return
-            if self.loras is not None and not self.loras.can_start(request):
-                return  # every adapter slot is in use: it waits its turn, as for blocks
             new_ids = self.kv.allocate_slots(request, n, computed)
             if new_ids is None:
                 if not self._preempt_lower(request, out):
@@ -305,6 +311,15 @@ class Scheduler:
             self._add_scheduled(out, request, n, new_ids)
             budget -= n
             request = None
+
+    def _first_startable(self) -> Request | None:
+        """The first waiting request in policy order whose adapter may start now (see
+        `LoRASlots.can_start`): the one that overtakes a head whose adapter waits for a slot.
+        A scan of the whole queue, done only while some request waits for a slot."""
+        policy, loras = self.policy, self.loras
+        assert loras is not None
+        startable = (r for r in policy if policy.quota_eligible(r.tenant) and loras.can_start(r))
+        return min(startable, key=policy.rank, default=None)
 
     def _hit_length(self, request: Request) -> int:
         """Prompt tokens of a waiting request that admitting it now would take from the prefix
