@@ -50,6 +50,24 @@ def _bench_engine(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_lora(args: argparse.Namespace) -> int:
+    from fairbatch.benchmarks import lora_bench
+
+    lora_bench.main(
+        args.json,
+        model=args.model,
+        num_requests=args.num_requests,
+        prompt_len=args.prompt_len,
+        output_len=args.output_len,
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        max_num_seqs=args.max_num_seqs,
+        rounds=args.rounds,
+        device=args.device,
+    )
+    return 0
+
+
 def _bench_cluster(args: argparse.Namespace) -> int:
     from fairbatch.benchmarks import cluster_bench
 
@@ -400,6 +418,29 @@ def build_parser() -> argparse.ArgumentParser:
         "default: every core",
     )
     eng.set_defaults(func=_bench_engine)
+    lor = bench_sub.add_parser(
+        "lora",
+        help="multi-LoRA tokens/s: the base model vs 1, 8 and 64 adapters",
+        description="The same requests on the base model alone and under 1, 8 and 64 random "
+        "PEFT adapters (ranks 8 and 16, every linear), round-robin; the cases alternate over "
+        "--rounds, medians reported (benchmarks/lora_bench.py). Needs peft.",
+    )
+    lor.add_argument("--json", help="write results to this JSON file")
+    lor.add_argument(
+        "--model",
+        default="qwen2.5-0.5b",
+        help="a random-weight shape (qwen2.5-0.5b, llama-3.2-1b, tiny; built once and cached, "
+        "benchmarks/checkpoints.py) or a checkpoint directory (default qwen2.5-0.5b)",
+    )
+    lor.add_argument("--num-requests", type=_positive(int), default=64)
+    lor.add_argument("--prompt-len", type=_positive(int), default=64)
+    lor.add_argument("--output-len", type=_positive(int), default=64, help="new tokens each")
+    lor.add_argument("--max-loras", type=_positive(int), default=8, help="adapter slots")
+    lor.add_argument("--max-lora-rank", type=_positive(int), default=16)
+    lor.add_argument("--max-num-seqs", type=_positive(int), default=32)
+    lor.add_argument("--rounds", type=_positive(int), default=2, help="cases alternated")
+    lor.add_argument("--device", default="cpu", help="cpu or cuda")
+    lor.set_defaults(func=_bench_lora)
     clu = bench_sub.add_parser(
         "cluster", help="fairness controller: admissions/s, latency, fairness vs baselines"
     )
