@@ -21,12 +21,24 @@ PACK_BATCH_HINT = 32
 
 
 def onednn_usable(device: torch.device | str, dtype: torch.dtype) -> bool:
-    """Whether this torch build runs oneDNN linears for tensors of `dtype` on `device`."""
-    return (
-        torch.device(device).type == "cpu"
-        and torch.backends.mkldnn.is_available()
-        and dtype in (torch.float32, torch.bfloat16)
-    )
+    """Whether this torch build runs oneDNN linears for tensors of `dtype` on `device` (for
+    bfloat16: on a CPU oneDNN has a bfloat16 path for, AVX-512 or AVX-NE-CONVERT; elsewhere
+    bfloat16 linears stay with torch's own kernels)."""
+    if torch.device(device).type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16:
+        return _bf16_supported()
+    return dtype == torch.float32
+
+
+def _bf16_supported() -> bool:
+    global _BF16
+    if _BF16 is None:
+        _BF16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return _BF16
+
+
+_BF16: bool | None = None
 
 
 class PackedLinear(nn.Module):

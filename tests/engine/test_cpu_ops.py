@@ -93,7 +93,8 @@ def test_packed_model_matches_hf(ckpt: str, request, monkeypatch) -> None:
 def test_bf16_logprobs_close_to_hf_float32(ckpt: str, request) -> None:
     path = request.getfixturevalue(ckpt)
     model, _, _ = load_hf_model(path, dtype=torch.bfloat16)
-    assert pack_linears(model) > 0
+    # packed where oneDNN has a bfloat16 path on this CPU (AVX-512), torch's kernels elsewhere
+    assert (pack_linears(model) > 0) == onednn_usable("cpu", torch.bfloat16)
     prompts = _prompts()
     ours = _logits(model, prompts).log_softmax(-1)
     ref = _hf_logits(path, prompts).log_softmax(-1)
