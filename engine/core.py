@@ -73,6 +73,8 @@ class EngineCore:
         # requests evicted past a deadline, per (tenant, stage "queue" | "running")
         self.timed_out: Counter[tuple[str, str]] = Counter()
         self._retiring_loras: set[str] = set()  # adapters no longer served, still in use here
+        # longrope models (Phi-3): the original context length (see `_rope_long`); else None
+        self.rope_long_from: int | None = getattr(runner, "rope_long_from", None)
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -181,6 +183,7 @@ class EngineCore:
             lora_name=lora_name,
         )
         request.deadline, request.queue_deadline = self._deadlines(params, deadlines)
+        self._rope_long(request)
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = PromptLogprobs(len(prompt_ids), params.prompt_logprobs)
         return request
@@ -327,6 +330,8 @@ class EngineCore:
         finished_map = updates.finished
         if self.structured is not None:  # matchers take the new tokens; done grammars stop
             finished_map = self.structured.advance(updates.new_tokens, finished_map)
+        if self.rope_long_from is not None:
+            self._rope_crossings(updates.new_tokens, finished_map)
         logprobs = runner_out.logprobs
         deltas = []
         for rid, token in updates.new_tokens.items():
@@ -344,6 +349,31 @@ class EngineCore:
                 if request is not None:
                     self._first_delta(d, request)
         return deltas
+
+    def _rope_long(self, request: Request) -> None:
+        """longrope (Phi-3, Phi-4-mini), as transformers runs it: a sequence longer than the
+        original context length turns every position with the long factors, a shorter one
+        with the short ones. A request that is long when it arrives (or is rebuilt) is long
+        from its first token; its K/V differ from a short sequence's, so the prefix-cache salt
+        says which it is."""
+        if self.rope_long_from is None or request.rope_long:
+            return
+        if request.num_tokens > self.rope_long_from:
+            request.rope_long = True
+            request.cache_salt = f"{request.cache_salt}\x00rope:long"
+
+    def _rope_crossings(self, new_tokens: dict, finished: dict) -> None:
+        """A request whose sequence just grew past the original length: its K/V, turned short,
+        are recomputed long (preempted by recompute, its output kept), as transformers'
+        Phi3 `generate` recomputes the whole sequence at that point."""
+        for rid in new_tokens:
+            request = self.scheduler.requests.get(rid)
+            if request is None or rid in finished or request.rope_long:
+                continue
+            if request.num_tokens > self.rope_long_from:
+                self.preempt(rid, "recompute")  # blocks cached under the short salt
+                self.scheduler.kv.forget(request)  # and its hash chain with them
+                self._rope_long(request)
 
     @staticmethod
     def _first_delta(d: RequestDelta, request: Request) -> None:
@@ -404,6 +434,8 @@ class EngineCore:
         request = migrated.request
         if request.sampling_params is not None:  # its adapter, known here from now (or refused)
             self._lora_name(request.sampling_params.lora)
+        if request.num_computed_tokens == 0:  # resubmitted with its output: long from the start
+            self._rope_long(request)
         wall = migrated.extra.get("deadlines")
         if wall is not None:  # the deadlines it had where it came from, in this clock
             request.deadline, request.queue_deadline = self._deadlines(None, wall)

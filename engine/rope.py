@@ -5,38 +5,28 @@ rope type's attention factor (1 but for longrope) and cast to the activation dty
 in the rotate-half (GPT-NeoX) convention. With `partial_rotary_factor` < 1 (Phi-4-mini: 0.75)
 only the first `rotary_dim` of each head turns, the rest passes through.
 
-longrope (Phi-3 / Phi-4-mini) has two sets of per-frequency factors; the engine turns each token
-with the set of its own position: long iff `position >= original_max_position_embeddings`
-(`RotaryEmbedding.long_from`). A cached key's rotation then depends on its position only, so
-chunked prefill, recompute and swap preemption and prefix-cache hits all reproduce it.
-
-transformers decides per forward call (`max(position_ids) + 1 > original` selects long_factor
-for the whole call), and Phi3ForCausalLM's `generate` adds a rule: when a sequence first grows
-past the original length it drops its cache and recomputes every position with long_factor. So:
-* a sequence whose prompt plus generated tokens stay within the original length: short factors
-  everywhere, in transformers and here alike -- exact;
-* past it, transformers' `generate` turns ALL positions (the earlier ones re-computed) with
-  long_factor, the engine keeps positions below the original length on short_factor. The
-  engine equals transformers' model fed the first `original` tokens in one call and the rest
-  one at a time (its per-call rule, without generate's recompute), not its `generate`.
-Matching generate there would need the whole sequence's K/V recomputed at the crossing and
-the factor set in the prefix-cache key (a short sequence must not read long-turned blocks);
-neither the model step nor this module can do that. vLLM instead fixes one set for the whole
-engine (long iff max_model_len > original length), which differs from transformers for short
-sequences. RotaryEmbedding logs a warning when a model can reach past the original length.
+longrope (Phi-3 / Phi-4-mini) has two sets of per-frequency factors. transformers picks one
+per forward call (`max(position_ids) + 1 > original` selects long_factor for the whole call),
+and Phi3's `generate` adds a rule: when a sequence first grows past the original length it
+drops its cache and recomputes every position with long_factor. So a sequence turns all its
+positions with the factors its length says: short while it has at most
+`original_max_position_embeddings` tokens, long once it has more. The engine does the same per
+request (EngineCore._rope_long): a request longer than that when it arrives is long from its
+first token, one that grows past it is recomputed long at that point (a recompute
+preemption), and the prefix-cache salt says which set turned a block. Here, positions from
+`long_from` on always turn long (a decode token there belongs to a long sequence), and the
+runner flags the other tokens of long sequences for a step (`long_tokens`; only a long
+prefill below the original length needs them, so a replayed decode CUDA graph needs none).
 """
 
 from __future__ import annotations
 
-import logging
 import math
 
 import torch
 from torch import nn
 
 from fairbatch.engine.config import ModelConfig
-
-logger = logging.getLogger(__name__)
 
 
 def _exponents(dim: int) -> torch.Tensor:
@@ -92,16 +82,10 @@ class RotaryEmbedding(nn.Module):
         self.long_inv_freq = rope_long_inv_freq(config)  # longrope only
         scaling = config.rope_scaling or {}
         self.attention_scaling = float(scaling.get("attention_factor", 1.0))
-        # Positions from here on turn with long_inv_freq (see the module docstring).
+        # Positions from here on turn with long_inv_freq, and so do the tokens the runner flags
+        # for a step (`long_tokens [T]` bool, or None): see the module docstring.
         self.long_from = int(scaling.get("original_max_position_embeddings", 0))
-        if self.long_inv_freq is not None and config.max_position_embeddings > self.long_from:
-            logger.warning(
-                "longrope: positions >= %d turn with long_factor, earlier ones with "
-                "short_factor; exact to transformers for sequences of at most %d tokens (past "
-                "that, transformers' generate re-turns every position with long_factor)",
-                self.long_from,
-                self.long_from,
-            )
+        self.long_tokens: torch.Tensor | None = None
 
     def forward(
         self, positions: torch.Tensor, dtype: torch.dtype
@@ -114,8 +98,10 @@ class RotaryEmbedding(nn.Module):
             if self.long_inv_freq.device != positions.device:
                 self.long_inv_freq = self.long_inv_freq.to(positions.device)
             # Per token, on the device (no sync; a CUDA graph replays it).
-            long = (positions >= self.long_from)[:, None]
-            inv_freq = torch.where(long, self.long_inv_freq[None, :], inv_freq)  # [T, D/2]
+            long = positions >= self.long_from
+            if self.long_tokens is not None:  # tokens of long sequences, whatever their position
+                long = long | self.long_tokens
+            inv_freq = torch.where(long[:, None], self.long_inv_freq[None, :], inv_freq)
         freqs = positions[:, None].float() * inv_freq  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]
         cos, sin = emb.cos(), emb.sin()

@@ -81,6 +81,9 @@ class ModelRunner:
         self._timers: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # not yet read
         # LoRA adapters (engine/lora.py's attach_lora): the step's slot per token goes here
         self.lora = None
+        # longrope (Phi-3): the original context length, past which a sequence turns long
+        rotary = model.model.rotary
+        self.rope_long_from = rotary.long_from if rotary.long_inv_freq is not None else None
 
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Capture the decode forward at the padded batch sizes up to `max_num_seqs`."""
@@ -149,6 +152,8 @@ class ModelRunner:
 
         if self.lora is not None:
             self._set_lora_slots(out)
+        if self.rope_long_from is not None:
+            self._set_rope_long(out)
         t0 = time.perf_counter()
         timer = self._start_timer()
         hidden, staged = self._forward(input_ids, query_lens, seq_lens, tables, extra)
@@ -202,7 +207,9 @@ class ModelRunner:
             ids = host_ints(input_ids).to(self.device)
             return self.model(ids, positions, self.kv_caches, meta), extra
         n = len(INPUT_NAMES)
-        batch = self._graph_batch(query_lens, tables)
+        # (a graph turns by position only: not with a long sequence's one-token prefill chunk)
+        flagged = self.model.model.rotary.long_tokens is not None
+        batch = None if flagged else self._graph_batch(query_lens, tables)
         if batch is not None:
             g = self.graphs
             ids, lens, tabs = pad_decode_rows(input_ids, seq_lens, tables, batch, g.pad_block)
@@ -228,6 +235,22 @@ class ModelRunner:
             n += len(plan_arrays)
             hidden = self.model(dev["ids"].long(), positions, self.kv_caches, meta)
         return hidden, [v.long() for v in views[n:]]
+
+    def _set_rope_long(self, out: SchedulerOutput) -> None:
+        """longrope: flag the tokens of requests turning with the long factors (`rope_long`)
+        for the rotary, which turns positions past the original length long anyway. Only a
+        long request's prefill below that length needs the flags; other steps (every decode
+        step, so a replayed CUDA graph) build none."""
+        rotary = self.model.model.rotary
+        rotary.long_tokens = None
+        if not any(
+            r.rope_long and r.num_computed_tokens < self.rope_long_from for r in out.scheduled
+        ):
+            return
+        flags: list[bool] = []
+        for req in out.scheduled:
+            flags += [req.rope_long] * out.num_scheduled_tokens[req.request_id]
+        rotary.long_tokens = torch.tensor(flags, dtype=torch.bool).to(self.device)
 
     def _set_lora_slots(self, out: SchedulerOutput) -> None:
         """Each scheduled token's adapter slot (-1: the base model) for the model's LoRA

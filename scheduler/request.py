@@ -64,6 +64,7 @@ class Request:
         "max_tokens",
         "arrival_time",
         "cache_salt",
+        "rope_long",
         "num_preemptions",
         "num_prompt_charged",
         "sampling_params",
@@ -120,6 +121,8 @@ class Request:
         # model's and other adapters', so the adapter salts the prefix cache too.
         self.lora_name = lora_name
         self.cache_salt = lora_salt(self.cache_salt, lora_name)
+        # longrope models (Phi-3): its K/V turn with the long factors (EngineCore._rope_long)
+        self.rope_long = False
         self.num_computed_tokens = 0
         self.status = RequestStatus.WAITING
         self.num_preemptions = 0
