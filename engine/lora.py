@@ -5,10 +5,12 @@ Wired into the offline engine by `attach_lora` (each decoder layer's projection 
 `LoRALinear`): per decoder layer and engine projection (`qkv_proj`, `o_proj`, `gate_up_proj`,
 `down_proj`), over a step's flattened rows:
 
-    y = linear(x) + pool.delta(layer, "qkv_proj", x, slots)
+    y = linear(x);  y[rows of slot s] += lora_B_s(lora_A_s(x[rows of slot s])) * scaling_s
 
-where `slots [T]` holds each token's pool slot (-1: the base model). Weights are never merged
-into the base: each adapter's A/B stay separate, so one step can serve many tenants' adapters.
+for each slot s that the step's tokens use (`add_lora`), the rows grouped once per step on the
+host (`lora_groups`: a request's tokens are contiguous, so a slot's rows are mostly one range).
+Weights are never merged into the base: each adapter's A/B stay separate, so one step can serve
+many tenants' adapters.
 
 An adapter's delta on a module is PEFT's `lora_B(lora_A(x)) * scaling` with scaling
 `lora_alpha / r` (`lora_alpha / sqrt(r)` with `use_rslora`). The engine fuses q/k/v into one
@@ -33,7 +35,7 @@ from torch import nn
 from fairbatch.engine.config import FUSED_CHECKPOINTS, ModelConfig
 from fairbatch.engine.sampling_params import LoRARequest
 
-__all__ = ["LoRAAdapter", "LoRAPool", "LoRARequest", "attach_lora", "lora_delta"]
+__all__ = ["LoRAAdapter", "LoRAPool", "LoRARequest", "add_lora", "attach_lora", "lora_groups"]
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -299,34 +301,67 @@ def fused_lora_weights(
     return a_out, b_out
 
 
-def lora_delta(
-    x: torch.Tensor,
-    slots: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    scalings: torch.Tensor,
+@dataclass
+class LoRAGroup:
+    """The rows of a step that run under one slot: `start:end` when contiguous, else `rows`
+    (int64 on the device)."""
+
+    slot: int
+    scaling: float
+    start: int = 0
+    end: int = 0
+    rows: torch.Tensor | None = None
+
+    @property
+    def num_rows(self) -> int:
+        return self.end - self.start if self.rows is None else int(self.rows.numel())
+
+
+def lora_groups(
+    spans: list[tuple[int, int]], scalings: list[float], device: torch.device | str = "cpu"
+) -> list[LoRAGroup]:
+    """A step's rows grouped by slot, from its consecutive `(slot, num_rows)` spans (slot -1:
+    the base model, no group). Built once per step on the host; the projections then read no
+    slot on the device (no sync per projection)."""
+    ranges: dict[int, list[tuple[int, int]]] = {}
+    row = 0
+    for slot, n in spans:
+        if slot >= 0 and n > 0:
+            mine = ranges.setdefault(slot, [])
+            if mine and mine[-1][1] == row:
+                mine[-1] = (mine[-1][0], row + n)
+            else:
+                mine.append((row, row + n))
+        row += n
+    groups = []
+    for slot, parts in ranges.items():
+        if len(parts) == 1:
+            groups.append(LoRAGroup(slot, scalings[slot], *parts[0]))
+        else:
+            rows = torch.tensor([i for s, e in parts for i in range(s, e)], device=device)
+            groups.append(LoRAGroup(slot, scalings[slot], rows=rows))
+    return groups
+
+
+def add_lora(
+    y: torch.Tensor, x: torch.Tensor, groups: list[LoRAGroup], a: torch.Tensor, b: torch.Tensor
 ) -> torch.Tensor:
-    """The LoRA delta `[T, out]` of one projection over a flattened step.
+    """Add the LoRA delta of one projection to its base output `y [T, out]`, in place, and
+    return `y`. x `[T, in]`; a `[S, r, in]`, b `[S, out, r]` the slots' stacked weights (ranks
+    zero-padded to r). Each group runs PEFT's `(x @ A.T) @ B.T * scaling` on its rows only and
+    adds it as PEFT adds it: no merged weights, no all-slots product, nothing for base rows.
 
-    x `[T, in]`; slots `[T]` each token's adapter slot (-1: none, its row of the delta is
-    zero); a `[S, r, in]`, b `[S, out, r]` the slots' stacked weights (ranks zero-padded to r);
-    scalings `[S]`. Tokens are grouped by slot and each slot present runs PEFT's
-    `(x @ A.T) @ B.T * scaling` on its rows only: no merged weights, no all-slots product.
-
-    The group sizes are read on the host (one sync), so this cannot be captured in a CUDA
-    graph. A punica-style kernel (SGMV over the sorted segments for prefill, BGMV per token for
-    decode) would replace the loop below, reading the slot of each row on the device.
-    """
-    out = x.new_zeros(x.shape[0], b.shape[1])
-    order = slots.argsort(stable=True)
-    present, counts = torch.unique_consecutive(slots[order], return_counts=True)
-    start = 0
-    for slot, n in zip(present.tolist(), counts.tolist()):
-        if slot >= 0:
-            rows = order[start : start + n]
-            out[rows] = ((x[rows] @ a[slot].T) @ b[slot].T * scalings[slot]).to(out.dtype)
-        start += n
-    return out
+    A loop over the adapters present: on CUDA a punica-style kernel (SGMV over the segments
+    for prefill, BGMV per token for decode) would run them all at once."""
+    for g in groups:
+        if g.rows is None:
+            part = x[g.start : g.end]
+            delta = (part @ a[g.slot].T) @ b[g.slot].T * g.scaling
+            y[g.start : g.end] += delta.to(y.dtype)
+        else:
+            delta = (x[g.rows] @ a[g.slot].T) @ b[g.slot].T * g.scaling
+            y.index_add_(0, g.rows, delta.to(y.dtype))
+    return y
 
 
 class LoRAPoolFullError(RuntimeError):
@@ -363,7 +398,7 @@ class LoRAPool:
             r = len(parts) * max_rank
             self.a[proj] = torch.zeros(layers, max_loras, r, in_f, dtype=dtype, device=device)
             self.b[proj] = torch.zeros(layers, max_loras, sum(outs), r, dtype=dtype, device=device)
-        self.scalings = torch.zeros(max_loras, dtype=torch.float32, device=device)
+        self.scalings = [0.0] * max_loras  # slot -> its adapter's scaling
         self._names: list[str | None] = [None] * max_loras  # slot -> adapter name
         self._pins = [0] * max_loras  # slot -> running requests holding it
         self._recent: OrderedDict[str, int] = OrderedDict()  # name -> slot, least recent first
@@ -381,10 +416,16 @@ class LoRAPool:
         """A `[S, r, in]` and B `[S, out, r]` of one layer's projection."""
         return self.a[projection][layer], self.b[projection][layer]
 
-    def delta(self, layer: int, projection: str, x: torch.Tensor, slots: torch.Tensor):
-        """`lora_delta` of rows `x` through this pool's adapters on one projection."""
+    def groups(self, spans: list[tuple[int, int]], device: torch.device | str = "cpu"):
+        """`lora_groups` of a step's `(slot, num_rows)` spans, with these slots' scalings."""
+        return lora_groups(spans, self.scalings, device)
+
+    def add_delta(
+        self, layer: int, projection: str, y: torch.Tensor, x: torch.Tensor, groups: list
+    ) -> torch.Tensor:
+        """`add_lora` of rows `x` through this pool's adapters on one projection, into `y`."""
         a, b = self.weights(layer, projection)
-        return lora_delta(x, slots, a, b, self.scalings)
+        return add_lora(y, x, groups, a, b)
 
     def load(self, name: str, adapter: LoRAAdapter) -> int:
         """Pin adapter `name` for one request, loading it first if it is not in a slot."""
@@ -451,16 +492,16 @@ class LoRAPool:
                 a, b = fused_lora_weights(adapter, layer, proj, self.max_rank)
                 self.a[proj][layer, slot].copy_(a)
                 self.b[proj][layer, slot].copy_(b)
-        self.scalings[slot] = adapter.scaling
+        self.scalings[slot] = float(adapter.scaling)
 
 
 class LoRAContext:
-    """A model's LoRA state for one step: the pool, and `slots [T]` (each token's slot, -1 for
-    the base model) while a step has adapters; None otherwise, and nothing extra runs."""
+    """A model's LoRA state for one step: the pool, and the step's `groups` (`lora_groups`)
+    while a step has adapters; None otherwise, and nothing extra runs."""
 
     def __init__(self, pool: LoRAPool) -> None:
         self.pool = pool
-        self.slots: torch.Tensor | None = None
+        self.groups: list[LoRAGroup] | None = None
 
 
 class LoRALinear(nn.Module):
@@ -473,10 +514,10 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        slots = self.ctx.slots
-        if slots is None:
+        groups = self.ctx.groups
+        if groups is None:
             return y
-        return y + self.ctx.pool.delta(self.layer, self.projection, x, slots).to(y.dtype)
+        return self.ctx.pool.add_delta(self.layer, self.projection, y, x, groups)
 
 
 def attach_lora(model: nn.Module, pool: LoRAPool) -> LoRAContext:

@@ -162,9 +162,9 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         h = self.self_attn(rope, self.input_layernorm(x), kv_cache, meta, backend)
         x = x + (self.post_attention_layernorm(h) if self.gemma else h)
-        lora_step = self.lora is not None and self.lora.slots is not None
+        lora_step = self.lora is not None and self.lora.groups is not None
         if x.device.type != "cpu" or x.shape[0] <= CPU_MLP_ROWS or lora_step:
-            # (a LoRA step's slots are per row of the whole step: not sliced)
+            # (a LoRA step's groups are rows of the whole step: not sliced)
             return x + self._ffn(x)
         # A long prefill's MLP on the CPU, a slice of rows at a time: its [rows, 2 * I]
         # intermediates then stay in cache instead of streaming through memory (the same

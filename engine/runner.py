@@ -253,18 +253,18 @@ class ModelRunner:
         rotary.long_tokens = torch.tensor(flags, dtype=torch.bool).to(self.device)
 
     def _set_lora_slots(self, out: SchedulerOutput) -> None:
-        """Each scheduled token's adapter slot (-1: the base model) for the model's LoRA
-        projections; None when no request of the step has an adapter (nothing extra runs)."""
+        """The step's rows grouped by adapter slot for the model's LoRA projections; None
+        when no request of the step has an adapter (nothing extra runs)."""
         if all(req.lora_name is None for req in out.scheduled):
-            self.lora.slots = None  # a base-only step builds nothing per token
+            self.lora.groups = None  # a base-only step builds nothing
             return
         pool = self.lora.pool
-        slots: list[int] = []
-        for req in out.scheduled:
-            name = req.lora_name
-            slot = -1 if name is None else pool.slot_of(name)
-            slots.extend([slot] * out.num_scheduled_tokens[req.request_id])
-        self.lora.slots = torch.tensor(slots, device=self.device)
+        spans = [
+            (-1 if req.lora_name is None else pool.slot_of(req.lora_name),
+             out.num_scheduled_tokens[req.request_id])
+            for req in out.scheduled
+        ]  # fmt: skip
+        self.lora.groups = pool.groups(spans, self.device)
 
     def _graph_batch(self, query_lens: list[int], tables: list[list[int]]) -> int | None:
         """The captured batch size this step replays, or None to run it eagerly."""

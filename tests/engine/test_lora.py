@@ -26,7 +26,8 @@ from fairbatch.engine.lora import (  # noqa: E402
     LoRAAdapter,
     LoRAPool,
     LoRAPoolFullError,
-    lora_delta,
+    add_lora,
+    lora_groups,
 )
 
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -172,13 +173,14 @@ def test_mixed_batch_delta_matches_peft_row_for_row(arch, request) -> None:
     g = torch.Generator().manual_seed(1)
     names = [names[i] for i in torch.randperm(len(names), generator=g).tolist()]
     slots = torch.tensor([slot.get(n, -1) for n in names])
+    groups = pool.groups([(s, 1) for s in slots.tolist()])  # rows of a slot scattered
     changed = 0
     with torch.no_grad():
         for layer in range(config.num_hidden_layers):
             for projection in PROJECTIONS:
                 w = _base_weight(base, layer, projection)
                 x = torch.randn(len(names), w.shape[1], generator=g)
-                ours = x @ w.T + pool.delta(layer, projection, x, slots)
+                ours = pool.add_delta(layer, projection, x @ w.T, x, groups)
                 expected = _peft_out(ref, layer, projection, x, names)
                 torch.testing.assert_close(ours, expected, **TOL)
                 base_rows = slots < 0
@@ -188,26 +190,32 @@ def test_mixed_batch_delta_matches_peft_row_for_row(arch, request) -> None:
 
 
 def test_delta_reads_only_the_slots_present() -> None:
-    """Segments only: slots no token uses are never read (NaN there changes nothing), and
-    -1 rows are exact zeros."""
+    """Groups only: slots no token uses are never read (NaN there changes nothing), base rows
+    are left as they are; a slot's rows are one range when contiguous, an index otherwise."""
     g = torch.Generator().manual_seed(2)
     a, b = torch.randn(4, 3, 5, generator=g), torch.randn(4, 6, 3, generator=g)
     a[1], b[3] = float("nan"), float("nan")
-    scalings = torch.tensor([0.5, 1.0, 2.0, 3.0])
-    x = torch.randn(7, 5, generator=g)
-    slots = torch.tensor([2, -1, 0, 2, -1, 0, 0])
-    out = lora_delta(x, slots, a, b, scalings)
+    scalings = [0.5, 1.0, 2.0, 3.0]
+    x = torch.randn(8, 5, generator=g)
+    slots = [2, -1, 0, 0, 2, 2, -1, 0]
+    spans = [(2, 1), (-1, 1), (0, 2), (2, 2), (-1, 1), (0, 1)]  # as a step's requests
+    groups = lora_groups(spans, scalings)
+    assert [(gr.slot, gr.start, gr.end) for gr in groups if gr.rows is None] == []
+    assert {gr.slot: gr.rows.tolist() for gr in groups} == {2: [0, 4, 5], 0: [2, 3, 7]}
+    one = lora_groups([(-1, 3), (0, 2), (0, 3)], scalings)  # one range: a slice, no index
+    assert [(gr.slot, gr.start, gr.end, gr.rows) for gr in one] == [(0, 3, 8, None)]
+    y = torch.randn(8, 6, generator=g)
+    out = add_lora(y.clone(), x, groups, a, b)
     assert torch.isfinite(out).all()
-    assert torch.equal(out[slots < 0], torch.zeros(2, 6))
-    for t, s in enumerate(slots.tolist()):
-        if s >= 0:
-            torch.testing.assert_close(out[t], (x[t] @ a[s].T) @ b[s].T * scalings[s], **TOL)
-    assert lora_delta(x[:0], slots[:0], a, b, scalings).shape == (0, 6)
+    for t, s in enumerate(slots):
+        want = y[t] if s < 0 else y[t] + (x[t] @ a[s].T) @ b[s].T * scalings[s]
+        torch.testing.assert_close(out[t], want, **TOL)
+    assert torch.equal(add_lora(y.clone(), x, lora_groups([(-1, 8)], scalings), a, b), y)
 
 
 def _slot_tensors(pool: LoRAPool, slot: int) -> list[torch.Tensor]:
     return [t[:, slot].clone() for d in (pool.a, pool.b) for t in d.values()] + [
-        pool.scalings[slot].clone()
+        torch.tensor(pool.scalings[slot])
     ]
 
 
@@ -236,9 +244,10 @@ def test_pool_lru_pins_full_error_and_reload(llama) -> None:
     assert pool.load("a", a) == 1  # c evicted; a reloaded over c's weights
     for got, want in zip(_slot_tensors(pool, 1), a_weights):
         assert torch.equal(got, want)  # identical to a first load: nothing of c remains
-    x, slots = torch.randn(3, config.hidden_size), torch.tensor([1, -1, 1])
-    ref = torch.tensor([0, -1, 0])
-    assert torch.equal(pool.delta(0, "qkv_proj", x, slots), fresh.delta(0, "qkv_proj", x, ref))
+    x, width = torch.randn(3, config.hidden_size), pool.b["qkv_proj"].shape[2]
+    out = pool.add_delta(0, "qkv_proj", torch.zeros(3, width), x, pool.groups([(1, 3)]))
+    ref = fresh.add_delta(0, "qkv_proj", torch.zeros(3, width), x, fresh.groups([(0, 3)]))
+    assert torch.equal(out, ref)
     with pytest.raises(ValueError, match="'c' is not held"):
         pool.release("c")
     with pytest.raises(ValueError, match="rank 8 > max_rank 4"):

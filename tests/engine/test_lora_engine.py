@@ -240,8 +240,8 @@ def test_pins_follow_running_and_base_steps_skip_the_delta(
     def no_delta(*args):
         raise AssertionError("a base-only step computed a LoRA delta")
 
-    monkeypatch.setattr(pool, "delta", no_delta)
+    monkeypatch.setattr(pool, "add_delta", no_delta)
     base = [i for i, n in enumerate(names) if n is None]
     outs = llm.generate([prompts[i] for i in base], GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outs] == [refs[i] for i in base]
-    assert engine.runner.lora.slots is None
+    assert engine.runner.lora.groups is None
