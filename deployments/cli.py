@@ -64,6 +64,7 @@ def _bench_lora(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs,
         rounds=args.rounds,
         device=args.device,
+        adapter_counts=args.adapters,
     )
     return 0
 
@@ -435,6 +436,12 @@ def build_parser() -> argparse.ArgumentParser:
     lor.add_argument("--num-requests", type=_positive(int), default=64)
     lor.add_argument("--prompt-len", type=_positive(int), default=64)
     lor.add_argument("--output-len", type=_positive(int), default=64, help="new tokens each")
+    lor.add_argument(
+        "--adapters",
+        type=lambda s: tuple(_positive(int)(x) for x in s.split(",")),
+        default=(1, 8, 64),
+        help="comma-separated adapter counts, one case each (default 1,8,64)",
+    )
     lor.add_argument("--max-loras", type=_positive(int), default=8, help="adapter slots")
     lor.add_argument("--max-lora-rank", type=_positive(int), default=16)
     lor.add_argument("--max-num-seqs", type=_positive(int), default=32)
