@@ -9,6 +9,9 @@ Contract:
     that divided by the tenant's weight *at charge time* to its virtual counter, and deducts
     `prefill + decode` raw tokens from its quota bucket. Counters also move by the VTC lift
     (weighted_fair) and `set_counters`, so a counter is not always service / weight.
+  * A tenant is charged the same whatever LoRA adapter its requests use (an adapter's load
+    costs it nothing). How its service splits among its adapters is counted per flow by
+    `charge_flows` (policies/flows.py), which orders the tenant's own requests only.
 """
 
 from __future__ import annotations

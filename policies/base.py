@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, ClassVar
 
 from .accounting import Accounting
+from .flows import FlowAccounting
 from .queues import FRESH, REQUEUED, Entry, Order
 from .tenants import TenantRegistry, TenantSpec
 from .victims import VictimChoice
@@ -28,22 +29,27 @@ _NEVER = math.inf
 ORDERS_WITHIN_TENANT = ("fcfs", "edf")
 
 
-class Policy(TenantRegistry, Accounting, VictimChoice):
+class Policy(TenantRegistry, Accounting, FlowAccounting, VictimChoice):
     """Base class: the waiting queue, over the tenant registry, accounting and victim choice.
 
     Queue contract:
       * A request is identified by `.request_id`; queueing one that is already queued raises
-        ValueError. `.tenant`, `.priority` and `.seq` are read once, when it is queued.
+        ValueError. `.tenant`, `.priority`, `.seq` and `.lora_name` (None if absent) are read
+        once, when it is queued.
       * Inside a tenant, requeued requests come first (by `.seq`), then fresh ones (by `.seq`,
         which the scheduler assigns in admission order, so this is arrival order). With
         `order_within_tenant="edf"`, each of the two goes by earliest deadline (`place`), then
         `.seq`: which of a tenant's requests goes first changes, never how much service the
         tenant gets (tenants are still chosen by the policy's own order).
+      * Fresh requests of several LoRA adapters of one tenant (flows) share the tenant's
+        service by a counter per flow: the next one is the head, by the order above, of the
+        flow with the smallest counter (policies/flows.py). Again only which of the tenant's
+        requests goes first changes; with one flow, nothing does.
       * `peek`/`pop` consider only quota-eligible tenants; other requests stay queued.
       * `enqueue`, `requeue`, `pop`, `remove` are O(log n); `peek` is answered from a cache
         that every mutation invalidates, and is O(log tenants) amortized to recompute (round
         robin: O(tenants skipped); priority: O(classes) on top of that).
-    The accounting contract is in policies/accounting.py.
+    The accounting contract is in policies/accounting.py, flows in policies/flows.py.
     """
 
     name: ClassVar[str] = ""
@@ -72,6 +78,7 @@ class Policy(TenantRegistry, Accounting, VictimChoice):
             )
         self.order_within_tenant = order_within_tenant
         self._init_accounting(input_weight, output_weight)
+        self._init_flows()
         self._init_registry(clock)
         self._entries: dict[str, Entry] = {}  # request_id -> entry, insertion order
         self._inserted = 0  # insertion counter, the last element of every Entry.key
@@ -136,6 +143,7 @@ class Policy(TenantRegistry, Accounting, VictimChoice):
         entry.alive = False
         assert entry.order is not None
         entry.order.taken(entry)
+        self._last_flow[entry.req.tenant] = entry.adapter
         self._stale = True
         return entry.req
 
@@ -154,6 +162,7 @@ class Policy(TenantRegistry, Accounting, VictimChoice):
         assert entry.order is not None
         if served:
             entry.order.taken(entry)
+            self._last_flow[entry.req.tenant] = entry.adapter
         else:
             entry.order.discard(entry)
         self._stale = True
@@ -182,7 +191,7 @@ class Policy(TenantRegistry, Accounting, VictimChoice):
         if self._throttled:
             self._wake_throttled()  # the VTC lift must see who is eligible now
         self._inserted += 1
-        entry = Entry(req, (flag, self.place(req), self._inserted))
+        entry = Entry(req, (flag, self.place(req), self._inserted), self._adapter(req))
         order = self._order_for(req)
         entry.order = order
         order.add(entry)

@@ -19,13 +19,16 @@ class FcfsOrder(HeadOrder):
         return tq.head.key
 
     def rank_key(self, req: Request, flag: int) -> tuple:
-        return (flag, self._policy.place(req))
+        return (flag, self.flow_lead(req, flag), self._policy.place(req))
 
 
 class FcfsPolicy(SingleOrderPolicy):
-    """`fcfs`: pop order is (requeued first, .seq). rank = (0 requeued | 1 fresh, .seq).
+    """`fcfs`: pop order is (requeued first, .seq). rank = (0 requeued | 1 fresh, flow lead,
+    .seq), the flow lead being `Order.flow_lead`.
 
-    Counters and service are still kept (victim choice, metrics) but never affect the order.
+    Counters and service are still kept (victim choice, metrics) but never affect the order
+    between tenants. Inside a tenant with requests of several LoRA adapters queued, the fresh
+    ones go by flow counter first (policies/flows.py), so a tenant's head may not be its oldest.
     """
 
     name = "fcfs"

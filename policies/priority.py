@@ -2,6 +2,7 @@
 
 A request's class is its `.priority` when queued. Each class is its own inner order (a VTC order
 with its own lift and "served last" tenant, over the policy-wide counters; or an fcfs order).
+The flows of a tenant (policies/flows.py) are lifted over the whole policy, not per class.
 
 Peek without aging: the highest class that has a request of a quota-eligible tenant; inside it,
 the inner order's head.
@@ -72,6 +73,12 @@ class ClassOrder(Order):
     def counters_reset(self) -> None:
         self.inner.counters_reset()
 
+    def flows_charged(self, tenant: str) -> bool:
+        return self.inner.flows_charged(tenant)
+
+    def tenant_flows(self, tenant: str) -> Iterable[str | None]:
+        return self.inner.tenant_flows(tenant)
+
     def oldest_arrival(self) -> float:
         """arrival_time of the class's oldest queued request; the class must not be empty."""
         assert self.ages is not None
@@ -85,7 +92,8 @@ class PriorityPolicy(Policy):
 
     rank = (-class effective priority, -.priority, *inner rank), where the class effective
     priority is the best of the request's own and that of its queued class (see module doc).
-    Inner rank: weighted_fair (counter, 0 requeued | 1 fresh, .seq); fcfs (flag, .seq).
+    Inner rank: weighted_fair (counter, 0 requeued | 1 fresh, flow lead, .seq); fcfs (flag,
+    flow lead, .seq); see the policies of those names.
     """
 
     name = "priority"

@@ -6,6 +6,14 @@ enqueued fresh, where `n` is the policy's insertion counter (a total order even 
 share a `.seq`). Removal flips `entry.alive`; heaps drop dead entries when they reach the top
 and compact when more than half of them are dead, so every request operation is O(log n).
 
+Flows: the requests of one tenant and one LoRA adapter (`.lora_name`; None, the base model, is
+a flow too) are a *flow*, and a `TenantQueue` keeps one heap per flow. Its head is the requeued
+request with the smallest key if it has any; otherwise the head (by key) of the flow whose
+counter is smallest, ties by that head's key. Flow counters are the policy's
+(policies/flows.py): the tenant's service split by adapter, so the adapters of one tenant share
+its service as the tenants share the engine. With a single flow the head is the smallest key,
+the order within a tenant described above.
+
 An `Order` is one ordered queue made of per-tenant queues; it chooses which tenant's head goes
 next. Orders are internal to a `Policy`: they read the policy's counters, quota state and tenant
 registration order, and the policy calls them only through the methods of `Order`.
@@ -13,6 +21,7 @@ registration order, and the policy calls them only through the methods of `Order
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from heapq import heapify, heappop, heappush, heapreplace
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -30,14 +39,16 @@ EntryKey = tuple[int, int, int]  # (REQUEUED | FRESH, req.seq, insertion number)
 class Entry:
     """One queued request. Dead (`alive` False) once popped or removed; never revived."""
 
-    __slots__ = ("req", "key", "alive", "order", "tq")
+    __slots__ = ("req", "key", "alive", "order", "tq", "adapter", "flow")
 
-    def __init__(self, req: Request, key: EntryKey) -> None:
+    def __init__(self, req: Request, key: EntryKey, adapter: str | None = None) -> None:
         self.req = req
         self.key = key
         self.alive = True
+        self.adapter = adapter  # its flow inside its tenant: `.lora_name` (None: base model)
         self.order: Order | None = None  # the order holding it (a priority class, or the only one)
         self.tq: TenantQueue | None = None  # its tenant's queue inside that order
+        self.flow: FlowQueue | None = None  # its adapter's heap inside that tenant queue
 
 
 class LazyHeap:
@@ -71,17 +82,85 @@ class LazyHeap:
             heapify(self.items)
 
 
-class TenantQueue(LazyHeap):
-    """One tenant's waiting requests inside one order, smallest `Entry.key` first."""
+class FlowQueue(LazyHeap):
+    """One flow's waiting requests inside a `TenantQueue`, smallest `Entry.key` first."""
 
-    __slots__ = ("name", "ring", "head", "version")
+    __slots__ = ("adapter",)
 
-    def __init__(self, name: str, ring: int) -> None:
+    def __init__(self, adapter: str | None) -> None:
         super().__init__()
+        self.adapter = adapter
+
+
+class TenantQueue:
+    """One tenant's waiting requests inside one order: a heap per flow (module doc). The flow
+    counters are the policy's, which lifts them (policies/flows.py) before an entry is pushed.
+    """
+
+    __slots__ = ("name", "ring", "head", "version", "live", "flows", "counters")
+
+    def __init__(self, name: str, ring: int, counters: dict[str | None, float]) -> None:
         self.name = name
         self.ring = ring  # the tenant's registration number (round robin's cycle position)
         self.head: Entry | None = None  # the head as last indexed by a HeadOrder
         self.version = 0  # bumped on re-indexing; older tenant-heap items are stale
+        self.live = 0
+        self.flows: dict[str | None, FlowQueue] = {}  # adapter -> its heap, while it has entries
+        self.counters = counters  # adapter -> flow counter: the policy's, shared by its orders
+
+    @property
+    def items(self) -> list[tuple[Any, Entry]]:
+        """Every flow heap's items, dead ones included (for inspection)."""
+        return [item for flow in self.flows.values() for item in flow.items]
+
+    def push(self, entry: Entry) -> None:
+        """Queue `entry` in its flow's heap."""
+        flow = self.flows.get(entry.adapter)
+        if flow is None:
+            flow = self.flows[entry.adapter] = FlowQueue(entry.adapter)
+        flow.push(entry.key, entry)
+        entry.flow = flow
+        self.live += 1
+
+    def discarded(self, entry: Entry) -> None:
+        """Account for the killed `entry` (queued here)."""
+        flow = entry.flow
+        assert flow is not None
+        flow.discarded()
+        self.live -= 1
+        if flow.live == 0:
+            del self.flows[flow.adapter]
+
+    def top(self) -> Entry | None:
+        """The head: the live entry that `before` puts ahead of all others here."""
+        flows = self.flows
+        if len(flows) == 1:
+            for flow in flows.values():
+                return flow.top()
+        best: Entry | None = None
+        for flow in flows.values():
+            entry = flow.top()
+            if entry is not None and (best is None or self.before(entry, best)):
+                best = entry
+        return best
+
+    def before(self, a: Entry, b: Entry) -> bool:
+        """Whether `a` goes before `b` (both queued here): requeued first, by key; fresh ones by
+        flow counter, then key (within one flow that is key order)."""
+        if a.flow is b.flow or a.key[0] != FRESH or b.key[0] != FRESH:
+            return a.key < b.key
+        assert a.flow is not None and b.flow is not None
+        ca, cb = self.counters[a.flow.adapter], self.counters[b.flow.adapter]
+        return ca < cb or (ca == cb and a.key < b.key)
+
+    def flow_lead(self, adapter: str | None) -> float:
+        """How far the flow's counter is above the lowest of the flows queued here (0.0 for
+        that one, and whenever one flow is queued): the flow term of a fresh request's rank."""
+        flows = self.flows
+        if len(flows) < 2 or adapter not in flows:
+            return 0.0
+        counters = self.counters
+        return counters[adapter] - min(counters[name] for name in flows)
 
 
 class Order:
@@ -96,6 +175,9 @@ class Order:
       the head `select()` returns has the smallest rank_key among eligible queued entries.
     * `eligibility_changed(tenant)` / `counters_reset()` are called after the tenant entered or
       left the throttled set, and after counters were set from outside (they may decrease).
+    * `flows_charged(tenant)` is called after the tenant's flow counters grew; it returns
+      whether that can change what `select()` answers (only with more than one flow queued).
+      `tenant_flows(tenant)` are the tenant's flows queued here (for the flow lift).
     * `changes_on_charge`: whether a `charge()` can change what `select()` answers (a policy
       made of such orders recomputes its peek after every charge).
     """
@@ -113,7 +195,9 @@ class Order:
     def _queue(self, name: str) -> TenantQueue:
         tq = self._queues.get(name)
         if tq is None:
-            tq = self._queues[name] = TenantQueue(name, self._policy._ring[name])
+            policy = self._policy
+            tq = TenantQueue(name, policy._ring[name], policy._flow_counters_of(name))
+            self._queues[name] = tq
         return tq
 
     def add(self, entry: Entry) -> None:
@@ -131,11 +215,35 @@ class Order:
     def rank_key(self, req: Request, flag: int) -> tuple:
         raise NotImplementedError
 
+    def flow_lead(self, req: Request, flag: int) -> float:
+        """The flow term of `req`'s rank_key, right after `flag`: for a queued fresh request,
+        how far its flow's counter is above the lowest one queued in its tenant; 0.0 for
+        requeued ones and with a single flow, so ranks order a tenant's requests as its queue
+        does."""
+        if flag != FRESH:
+            return 0.0
+        tq = self._queues.get(req.tenant)
+        return 0.0 if tq is None else tq.flow_lead(self._policy._adapter(req))
+
     def eligibility_changed(self, tenant: str) -> None:
         pass
 
     def counters_reset(self) -> None:
         pass
+
+    def flows_charged(self, tenant: str) -> bool:
+        return False
+
+    def tenant_flows(self, tenant: str) -> Iterable[str | None]:
+        """The tenant's flows with requests queued here."""
+        tq = self._queues.get(tenant)
+        return () if tq is None else tq.flows.keys()
+
+    def _push(self, tq: TenantQueue, entry: Entry) -> None:
+        """Push `entry` into `tq`, its flow's counter lifted first if the flow is new here."""
+        if entry.adapter not in tq.flows:
+            self._policy._flow_arrives(entry)
+        tq.push(entry)
 
 
 class HeadOrder(Order):
@@ -163,12 +271,13 @@ class HeadOrder(Order):
         tq = self._queues.get(name) or self._queue(name)
         if tq.live == 0:
             self.backlogging(tq, entry)
-        tq.push(entry.key, entry)
+        self._push(tq, entry)
         entry.tq = tq
         self._live += 1
-        # tq.head is always the live entry with the smallest key (None when empty).
+        # tq.head is always tq.top() (None when empty): with one flow the smallest key, with
+        # several the head by `before`, which the plain key comparison would get wrong.
         head = tq.head
-        if head is None or entry.key < head.key:
+        if head is None or tq.before(entry, head):
             tq.head = entry
             self._index(tq)
 
@@ -178,11 +287,22 @@ class HeadOrder(Order):
     def discard(self, entry: Entry) -> None:
         tq = entry.tq
         assert tq is not None
-        tq.discarded()
+        tq.discarded(entry)
         self._live -= 1
         if entry is tq.head:
             tq.head = tq.top()
             self._index(tq)
+
+    def flows_charged(self, tenant: str) -> bool:
+        tq = self._queues.get(tenant)
+        if tq is None or len(tq.flows) < 2:
+            return False  # one flow: its order is by key whatever its counter
+        head = tq.top()
+        if head is tq.head:
+            return False
+        tq.head = head
+        self._index(tq)  # its tenant key may have gone down (fcfs): re-index now
+        return True
 
     def select(self) -> Entry | None:
         heap = self._heap

@@ -16,7 +16,8 @@ if TYPE_CHECKING:
 
 class RoundRobinOrder(Order):
     """Each pop serves the next backlogged, eligible tenant in cyclic registration order,
-    starting after the tenant served last. Inside a tenant: requeued first, then by .seq.
+    starting after the tenant served last. Inside a tenant: its queue's head (requeued first,
+    then by .seq; by flow counter first when requests of several LoRA adapters are queued).
 
     `_active` holds the registration numbers of tenants with queued requests, sorted, so a peek
     costs a bisect plus one step per ineligible tenant skipped.
@@ -33,14 +34,14 @@ class RoundRobinOrder(Order):
         if tq.live == 0:
             insort(self._active, tq.ring)
             self._by_ring[tq.ring] = tq.name
-        tq.push(entry.key, entry)
+        self._push(tq, entry)
         entry.tq = tq
         self._live += 1
 
     def discard(self, entry: Entry) -> None:
         tq = entry.tq
         assert tq is not None
-        tq.discarded()
+        tq.discarded(entry)
         self._live -= 1
         if tq.live == 0:
             del self._active[bisect_left(self._active, tq.ring)]
@@ -49,6 +50,10 @@ class RoundRobinOrder(Order):
         self.discard(entry)
         assert entry.tq is not None
         self._next = entry.tq.ring + 1
+
+    def flows_charged(self, tenant: str) -> bool:
+        tq = self._queues.get(tenant)
+        return tq is not None and len(tq.flows) > 1  # select() asks tq.top() afresh
 
     def select(self) -> Entry | None:
         active = self._active
@@ -68,6 +73,7 @@ class RoundRobinOrder(Order):
         return (
             (self._policy._ring[req.tenant] - self._next) % cycle,
             flag,
+            self.flow_lead(req, flag),
             self._policy.place(req),
         )
 
@@ -76,7 +82,8 @@ class RoundRobinPolicy(SingleOrderPolicy):
     """`round_robin`: cyclic over tenants in registration order (constructor `tenants` first,
     then tenants first seen by enqueue/requeue/charge/tenant()).
 
-    rank = ((tenant number - cycle position) mod tenants, 0 requeued | 1 fresh, .seq).
+    rank = ((tenant number - cycle position) mod tenants, 0 requeued | 1 fresh, flow lead,
+    .seq), the flow lead being `Order.flow_lead`.
     """
 
     name = "round_robin"

@@ -13,6 +13,10 @@ lifts (a preempted tenant did not idle).
 Counters move only on `charge()` (after each step), not on `pop()`: consecutive pops between two
 charges come from the same tenant while it stays the smallest. The step's token budget bounds
 the extra service this gives one tenant.
+
+Inside a tenant the same algorithm runs a level down, over its flows (one per LoRA adapter, and
+the base model; policies/flows.py): which of the tenant's fresh requests goes next, never how
+much service the tenant gets.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ class VtcOrder(HeadOrder):
         return (self._counter(tq.name),) + tq.head.key
 
     def rank_key(self, req: Request, flag: int) -> tuple:
-        return (self._counter(req.tenant), flag, self._policy.place(req))
+        return (self._counter(req.tenant), flag, self.flow_lead(req, flag), self._policy.place(req))
 
     def backlogging(self, tq: TenantQueue, entry: Entry) -> None:
         if entry.key[0] != FRESH:
@@ -61,14 +65,15 @@ class VtcOrder(HeadOrder):
             self._counters[tq.name] = floor
 
     def taken(self, entry: Entry) -> None:
-        self.discard(entry)
+        super().taken(entry)
         self._last_served = entry.req.tenant
 
 
 class WeightedFairPolicy(SingleOrderPolicy):
     """`weighted_fair`: smallest (counter, requeued first, .seq) head goes next.
 
-    rank = (counter[tenant], 0 requeued | 1 fresh, .seq).
+    rank = (counter[tenant], 0 requeued | 1 fresh, flow lead, .seq), the flow lead being
+    `Order.flow_lead` (0.0 unless the tenant has requests of several flows queued).
     """
 
     name = "weighted_fair"

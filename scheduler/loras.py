@@ -18,6 +18,10 @@ the waiter is the only waiting request that may take it. The waiter cannot starv
 base-model work and the other adapters in use keep flowing. (Allowing every adapter in use to
 overtake would let a steady stream of one adapter's requests keep its slot pinned forever.)
 
+Which of a tenant's waiting requests comes first in policy order is not decided here: the
+adapters of one tenant share its service by a counter per adapter (policies/flows.py), and
+the tenant is charged its tokens whatever adapter they went to (a load costs it nothing).
+
 Only waiting requests take or respect the turn. A swapped-out request resumes as before, when
 its adapter can be loaded (it is work already started, and there are only ever as many as
 were preempted). There is one waiter at a time; a second request that finds no slot waits

@@ -17,7 +17,8 @@ keeps a freed GPU block from being both a swap-out source and a swap-in target i
 
 Parallel sampling (n > 1 samples of one prompt): see `forks.py`. LoRA adapters (a request
 waits until its adapter has a slot, and pins it while running; who may overtake it and why it
-cannot starve): see `loras.py`.
+cannot starve): see `loras.py`; the adapters of one tenant share its service fairly, by flow
+counters the step charges (policies/flows.py).
 """
 
 from __future__ import annotations
@@ -389,7 +390,9 @@ class Scheduler:
 
         Tenants are charged by rate: every running request one decode token (the policy counts
         the step, see `Policy.charge_decode_step`) less the ones that sampled nothing, plus
-        the prompt tokens computed for the first time.
+        the prompt tokens computed for the first time. Serving LoRA, the same tokens are also
+        charged per flow, (tenant, adapter) (`Policy.charge_flows`): that walks the running
+        requests, which an engine without adapters is spared.
         """
         sampled = runner_output.sampled_token_ids
         new_tokens = sampled  # copied only if a token must be dropped (below)
@@ -398,7 +401,17 @@ class Scheduler:
         num_scheduled = scheduler_output.num_scheduled_tokens
         bs = self.kv.block_size
         caching = self.kv.enable_prefix_caching
-        missed = Counter(r.tenant for r in self.running if r.request_id not in sampled)
+        flow_prefill: dict[tuple[str, str | None], int] | None = None  # None: no flows charged
+        flow_decode: Counter[tuple[str, str | None]] = Counter()
+        if self.loras is None:
+            missed = Counter(r.tenant for r in self.running if r.request_id not in sampled)
+        else:  # one walk over the running requests, as the line above does
+            missed, flow_prefill = Counter(), {}
+            for r in self.running:
+                if r.request_id in sampled:
+                    flow_decode[(r.tenant, r.lora_name)] += 1
+                else:
+                    missed[r.tenant] += 1
         self.policy.charge_decode_step(missed)
         forked: list[Request] = []  # siblings started on their parent's blocks this step
         for request in scheduler_output.scheduled:
@@ -414,7 +427,7 @@ class Scheduler:
             if caching and request.num_computed_tokens % bs < n:  # the chunk filled a block
                 self.kv.cache_computed_blocks(request)
             if request.num_prompt_charged < request.num_prompt_tokens:
-                self._charge_prompt(request, prefill)
+                self._charge_prompt(request, prefill, flow_prefill)
             token = sampled.get(rid)
             if token is None:
                 continue  # a prefill chunk that did not reach the prompt's end
@@ -428,6 +441,8 @@ class Scheduler:
             self._start_running(sibling)
         if prefill:
             self.policy.charge_step(prefill, {})
+        if flow_prefill is not None and (flow_prefill or flow_decode):
+            self.policy.charge_flows(flow_prefill, flow_decode)
         return StepUpdates(new_tokens, finished)
 
     def _finish_on(self, request: Request, token: int) -> str:
@@ -440,14 +455,20 @@ class Scheduler:
         return FINISH_REASONS[status]
 
     @staticmethod
-    def _charge_prompt(request: Request, prefill: dict[str, int]) -> None:
-        """Add the prompt tokens computed for the first time to the tenant's prefill count
-        (recompute after a preemption is not the tenant's doing and is not charged again)."""
+    def _charge_prompt(
+        request: Request, prefill: dict[str, int], flows: dict[tuple[str, str | None], int] | None
+    ) -> None:
+        """Add the prompt tokens computed for the first time to the tenant's prefill count, and
+        to its flow's when `flows` is given (recompute after a preemption is not the tenant's
+        doing and is not charged again)."""
         new_prompt = min(request.num_computed_tokens, request.num_prompt_tokens)
         charged = request.num_prompt_charged
         if new_prompt > charged:
             t = request.tenant
             prefill[t] = prefill.get(t, 0) + new_prompt - charged
+            if flows is not None:
+                flow = (t, request.lora_name)
+                flows[flow] = flows.get(flow, 0) + new_prompt - charged
             request.num_prompt_charged = new_prompt
 
     # ---- hooks for the cluster controller ---------------------------------------------------

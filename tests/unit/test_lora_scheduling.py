@@ -113,10 +113,12 @@ def test_other_resident_adapters_overtake_the_one_draining_does_not():
     second = [req("d", "D", 2), req("a2", "A"), req("f", "E"), req("c3", "C"), req("e")]
     got = run(sched, {1: first, 2: second})
     assert got[:3] == [["a1", "c1", "c2"], ["a1", "c1", "c2", "c3", "e"], ["c1", "c2", "d"]]
-    # From step 3 a2 waits (C has 2 running, D 1: D drains) and f behind it; d ends in step
-    # 4, a2 takes D's slot in step 5; then f waits, A drains (a2 ends at once), f goes.
-    assert got[3:] == [["c1", "c2", "d"], ["a2", "c1", "c2"], ["c1", "c2", "f"]]
-    assert pool.loads == ["A", "C", "D", "A", "E"]
+    # From step 3 f waits (C has 2 running, D 1: D drains) and a2 behind it: adapters share
+    # the tenant's service (policies/flows.py), and A was charged a1's last token (flow
+    # counters: every flow lifted to 8 on arrival, then A 10, E 8). d ends in step 4, f takes
+    # D's slot in step 5; then a2 waits, E drains (f ends at once), a2 goes.
+    assert got[3:] == [["c1", "c2", "d"], ["c1", "c2", "f"], ["a2", "c1", "c2"]]
+    assert pool.loads == ["A", "C", "D", "E", "A"]
 
 
 def test_a_waiter_that_leaves_gives_the_turn_up():
