@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 
 import pytest
 import ray
@@ -83,6 +84,13 @@ async def run_one(cluster, loras, i: int) -> list[dict]:
     return [await collect(client, prompt(i), params_of(loras, i))]
 
 
+def wait_idle(cluster, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while any((assigned := ray.get(cluster.controller.stats.remote())["assigned"]).values()):
+        assert time.monotonic() < deadline, f"replicas still assigned requests: {assigned}"
+        time.sleep(0.05)
+
+
 def test_mixed_adapters_on_both_replicas_match_the_offline_engine(cluster, loras, offline):
     async def run() -> list[dict]:
         client = ClusterClient(cluster.controller, item_timeout_s=60)
@@ -94,7 +102,10 @@ def test_mixed_adapters_on_both_replicas_match_the_offline_engine(cluster, loras
     for i, (r, want) in enumerate(zip(served, offline)):
         assert r["tokens"] == want and len(want) == 40, i
     # sent again under its adapter, a prompt goes to the replica caching it under that adapter
-    # (the client hashes it with the adapter's salt, as the replica's cache does)
+    # (the client hashes it with the adapter's salt, as the replica's cache does), once the
+    # controller knows from the replicas' reports that their seats are free again (a replica
+    # it still thinks full takes no request for locality)
+    wait_idle(cluster)
     (again,) = asyncio.run(asyncio.wait_for(run_one(cluster, loras, 5), 60))
     assert again["replicas"][0] == served[5]["replicas"][0]
     assert again["items"][0].num_cached_tokens == 16  # its 24-token prompt's full block

@@ -101,26 +101,18 @@ def max_tokens(i: int) -> int:
 WARMUP, TARGET = 2000.0, 18000.0  # weighted tokens, cluster-wide
 
 
-async def measure_fairness(c, routed_at_once: bool) -> dict:
-    """Backlog tenants a (weight 3) and b (weight 1), submitted in the repeating order a, a, b,
-    and sample the cluster-wide weighted service from WARMUP to TARGET (the start, before the
-    queues fill, is no contention and not fairness). With `routed_at_once` (baselines: no
-    global queue) each request is submitted once the previous one was routed, so the arrival
-    order the router sees is exactly a, a, b, ... (concurrent calls may reach it reordered)."""
+async def measure_fairness(c) -> dict:
+    """Backlog tenants a (weight 3) and b (weight 1), submitted at once in the repeating order
+    a, a, b, and sample the cluster-wide weighted service from WARMUP to TARGET (the start,
+    before the queues fill, is no contention and not fairness). The client's one admission
+    queue sends them to the controller in that order, so a baseline router (no global queue)
+    sees exactly a, a, b, ..."""
     client = ClusterClient(c.controller, item_timeout_s=60, admit_timeout_s=120)
     order = ["a", "a", "b"] * 140
-    tasks: list[asyncio.Task] = []
-
-    async def submit() -> None:
-        for i, t in enumerate(order):
-            routed = asyncio.Event()
-            kw = dict(tenant=t, on_assign=lambda _a, e=routed: e.set())
-            coro = collect(client, prompt(i), params(max_tokens(i)), **kw)
-            tasks.append(asyncio.create_task(coro))
-            if routed_at_once:
-                await asyncio.wait_for(routed.wait(), timeout=30)
-
-    submitter = asyncio.create_task(submit())
+    tasks = [
+        asyncio.create_task(collect(client, prompt(i), params(max_tokens(i)), tenant=t))
+        for i, t in enumerate(order)
+    ]
     max_diff = 0.0
     start = None
     deadline = time.monotonic() + 120
@@ -137,7 +129,6 @@ async def measure_fairness(c, routed_at_once: bool) -> dict:
         if a + b >= TARGET - WARMUP:
             break
         assert time.monotonic() < deadline, f"service stalled at {svc}"
-    await submitter
     unfinished = {
         x: sum(1 for i, t in enumerate(tasks) if order[i] == x and not t.done()) for x in "ab"
     }
@@ -148,7 +139,7 @@ async def measure_fairness(c, routed_at_once: bool) -> dict:
 
 
 def test_cluster_fairness_3_to_1_and_baseline_worse(cluster, replica_check):
-    fair = asyncio.run(measure_fairness(cluster, routed_at_once=False))
+    fair = asyncio.run(measure_fairness(cluster))
     assert min(fair["unfinished"].values()) > 3  # both still backlogged when measured
     ratio = fair["a"] / fair["b"]
     assert abs(ratio / 3.0 - 1.0) < 0.05, fair
@@ -167,7 +158,7 @@ def test_cluster_fairness_3_to_1_and_baseline_worse(cluster, replica_check):
         ControllerConfig(routing="round_robin", policy="weighted_fair", tenants=TENANTS),
     )
     CLUSTERS.append(base)
-    rr = asyncio.run(measure_fairness(base, routed_at_once=True))
+    rr = asyncio.run(measure_fairness(base))
     assert min(rr["unfinished"].values()) > 3
     base_err = abs(rr["a"] / rr["b"] / 3.0 - 1.0)
     print(f"fairbatch a:b = {ratio:.3f} {fair}; round robin a:b = {rr['a'] / rr['b']:.3f} {rr}")
