@@ -40,8 +40,13 @@ def main(argv: list[str]) -> int:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     if os.getppid() != parent:  # the parent died before the request took effect
         _kill_group()
+    # SIGINT is passed on. Handled here (not ignored, as it is when a shell started the
+    # benchmark in the background), it starts CMD with its default action: a Python server
+    # then gets its KeyboardInterrupt, instead of ignoring the signal until SIGKILL.
+    started: list[subprocess.Popen] = []
+    signal.signal(signal.SIGINT, lambda *_: [p.send_signal(signal.SIGINT) for p in started])
     proc = subprocess.Popen(cmd, pass_fds=fds)
-    signal.signal(signal.SIGINT, lambda *_: proc.send_signal(signal.SIGINT))
+    started.append(proc)
     for fd in fds:  # (the child holds them now: a reader sees EOF when the child exits)
         os.close(fd)
     return proc.wait()

@@ -4,6 +4,7 @@ that dies, stopping its whole session), the table, and the argument errors."""
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import textwrap
 import time
@@ -15,7 +16,8 @@ from fairbatch.benchmarks.peer import serve
 from fairbatch.benchmarks.peer.process import PeerError
 
 # Serves GET /health once it has started a child that sleeps (a stand-in for vLLM's engine
-# core process), and writes the child's pid where the test can read it.
+# core process), writes the child's pid where the test can read it, and notes a clean
+# shutdown (SIGINT, Python's KeyboardInterrupt) next to it.
 FAKE_SERVER = textwrap.dedent(
     """
     import http.server, subprocess, sys
@@ -30,7 +32,10 @@ FAKE_SERVER = textwrap.dedent(
         def log_message(self, *args):
             pass
 
-    http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
+    try:
+        http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
+    except KeyboardInterrupt:
+        open(sys.argv[2] + ".sigint", "w").close()
     """
 )
 
@@ -45,17 +50,25 @@ def _alive(pid: int) -> bool:
     return not (stat.exists() and stat.read_text().split()[2] == "Z")
 
 
-def test_server_waits_for_health_and_stops_its_children(tmp_path: Path) -> None:
+def test_server_waits_for_health_and_stops_its_children(tmp_path: Path, monkeypatch) -> None:
     script = tmp_path / "fake_server.py"
     script.write_text(FAKE_SERVER)
     port, pid_file = serve.free_port(), tmp_path / "child.pid"
     cmd = [sys.executable, str(script), str(port), str(pid_file)]
     server = serve.Server("fake", cmd, dict(os.environ), port, tmp_path / "log")
-    with server as url:
-        assert url == f"http://127.0.0.1:{port}"
-        child = int(pid_file.read_text())
-        assert _alive(child)
+    # started as a shell starts a background job (SIGINT ignored, and inherited so), the
+    # server still gets the SIGINT of a clean stop, not only the SIGKILL after the wait
+    monkeypatch.setattr(serve, "STOP_TIMEOUT_S", 30.0)
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with server as url:
+            assert url == f"http://127.0.0.1:{port}"
+            child = int(pid_file.read_text())
+            assert _alive(child)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert server.proc is None
+    assert Path(f"{pid_file}.sigint").exists(), "the server was killed, not stopped"
     deadline = time.monotonic() + 10.0  # a signal is delivered asynchronously
     while _alive(child) and time.monotonic() < deadline:
         time.sleep(0.05)
