@@ -222,7 +222,7 @@ class EngineCore:
             raise ValueError(f"LoRA adapter {lora.name!r}: this engine serves none (max_loras=0)")
         known = slots.adapters.get(lora.name)
         if known is None:
-            from fairbatch.engine.lora import LoRAAdapter
+            from fairbatch.engine.lora_adapter import LoRAAdapter
 
             adapter = LoRAAdapter.load(lora.path, slots.pool.config)
             slots.pool.check(adapter)

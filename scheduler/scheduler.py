@@ -28,6 +28,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 
 from fairbatch.kv.manager import KVCacheManager
+from fairbatch.scheduler.charges import StepCharges
 from fairbatch.scheduler.config import SchedulerConfig
 from fairbatch.scheduler.deadlines import Deadlines
 from fairbatch.scheduler.forks import Forks
@@ -386,33 +387,16 @@ class Scheduler:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput
     ) -> StepUpdates:
-        """Advance progress, append sampled tokens, finish requests, charge tenants.
-
-        Tenants are charged by rate: every running request one decode token (the policy counts
-        the step, see `Policy.charge_decode_step`) less the ones that sampled nothing, plus
-        the prompt tokens computed for the first time. Serving LoRA, the same tokens are also
-        charged per flow, (tenant, adapter) (`Policy.charge_flows`): that walks the running
-        requests, which an engine without adapters is spared.
-        """
+        """Advance progress, append sampled tokens, finish requests, charge tenants (and,
+        serving LoRA, their flows: `charges.py`)."""
         sampled = runner_output.sampled_token_ids
         new_tokens = sampled  # copied only if a token must be dropped (below)
         finished: dict[str, str] = {}
-        prefill: dict[str, int] = {}
         num_scheduled = scheduler_output.num_scheduled_tokens
         bs = self.kv.block_size
         caching = self.kv.enable_prefix_caching
-        flow_prefill: dict[tuple[str, str | None], int] | None = None  # None: no flows charged
-        flow_decode: Counter[tuple[str, str | None]] = Counter()
-        if self.loras is None:
-            missed = Counter(r.tenant for r in self.running if r.request_id not in sampled)
-        else:  # one walk over the running requests, as the line above does
-            missed, flow_prefill = Counter(), {}
-            for r in self.running:
-                if r.request_id in sampled:
-                    flow_decode[(r.tenant, r.lora_name)] += 1
-                else:
-                    missed[r.tenant] += 1
-        self.policy.charge_decode_step(missed)
+        charges = StepCharges(self.running, sampled, flows=self.loras is not None)
+        self.policy.charge_decode_step(charges.missed)
         forked: list[Request] = []  # siblings started on their parent's blocks this step
         for request in scheduler_output.scheduled:
             rid = request.request_id
@@ -427,7 +411,7 @@ class Scheduler:
             if caching and request.num_computed_tokens % bs < n:  # the chunk filled a block
                 self.kv.cache_computed_blocks(request)
             if request.num_prompt_charged < request.num_prompt_tokens:
-                self._charge_prompt(request, prefill, flow_prefill)
+                charges.prompt(request)
             token = sampled.get(rid)
             if token is None:
                 continue  # a prefill chunk that did not reach the prompt's end
@@ -439,10 +423,7 @@ class Scheduler:
                 finished[rid] = self._finish_on(request, token)
         for sibling in forked:
             self._start_running(sibling)
-        if prefill:
-            self.policy.charge_step(prefill, {})
-        if flow_prefill is not None and (flow_prefill or flow_decode):
-            self.policy.charge_flows(flow_prefill, flow_decode)
+        charges.charge(self.policy)
         return StepUpdates(new_tokens, finished)
 
     def _finish_on(self, request: Request, token: int) -> str:
@@ -453,23 +434,6 @@ class Scheduler:
             status = RequestStatus.FINISHED_LENGTH  # max_tokens or the context limit
         self._finish(request, status)
         return FINISH_REASONS[status]
-
-    @staticmethod
-    def _charge_prompt(
-        request: Request, prefill: dict[str, int], flows: dict[tuple[str, str | None], int] | None
-    ) -> None:
-        """Add the prompt tokens computed for the first time to the tenant's prefill count, and
-        to its flow's when `flows` is given (recompute after a preemption is not the tenant's
-        doing and is not charged again)."""
-        new_prompt = min(request.num_computed_tokens, request.num_prompt_tokens)
-        charged = request.num_prompt_charged
-        if new_prompt > charged:
-            t = request.tenant
-            prefill[t] = prefill.get(t, 0) + new_prompt - charged
-            if flows is not None:
-                flow = (t, request.lora_name)
-                flows[flow] = flows.get(flow, 0) + new_prompt - charged
-            request.num_prompt_charged = new_prompt
 
     # ---- hooks for the cluster controller ---------------------------------------------------
 
