@@ -22,7 +22,7 @@ from fairbatch.engine.detokenizer import IncrementalDetokenizer
 from fairbatch.engine.sampling_params import LoRARequest, SamplingParams
 from fairbatch.engine.structured import StructuredOutput
 from fairbatch.scheduler import Request, RequestStatus, Scheduler
-from fairbatch.scheduler.request import PromptLogprobs
+from fairbatch.scheduler.request import PromptLogprobs, long_rope_salt
 
 
 @dataclass
@@ -360,7 +360,7 @@ class EngineCore:
             return
         if request.num_tokens > self.rope_long_from:
             request.rope_long = True
-            request.cache_salt = f"{request.cache_salt}\x00rope:long"
+            request.cache_salt = long_rope_salt(request.cache_salt)
 
     def _rope_crossings(self, new_tokens: dict, finished: dict) -> None:
         """A request whose sequence just grew past the original length: its K/V, turned short,

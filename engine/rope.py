@@ -73,6 +73,15 @@ def _longrope_inv_freq(config: ModelConfig, factors: tuple[float, ...]) -> torch
     return 1.0 / (ext_factors * config.rope_theta ** _exponents(config.rotary_dim))
 
 
+def rope_long_from(config: ModelConfig) -> int | None:
+    """The sequence length past which longrope turns every position with its long factors
+    (`original_max_position_embeddings`); None when the model has no longrope."""
+    scaling = config.rope_scaling
+    if scaling is None or scaling["rope_type"] != "longrope":
+        return None
+    return int(scaling.get("original_max_position_embeddings", 0))
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()

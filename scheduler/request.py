@@ -23,6 +23,12 @@ def lora_salt(salt: str, lora_name: str | None) -> str:
     return salt if lora_name is None else f"{salt}\x00lora:{lora_name}"
 
 
+def long_rope_salt(salt: str) -> str:
+    """The prefix-cache salt of a longrope request that is long from its first token (its K/V
+    differ from a short sequence's); the cluster's client hashes such prompts with it too."""
+    return f"{salt}\x00rope:long"
+
+
 class RequestStatus(enum.IntEnum):
     WAITING = 0  # queued; has no GPU blocks (new, or preempted for recompute)
     RUNNING = 1  # holds GPU blocks and is scheduled every step it fits

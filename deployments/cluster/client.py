@@ -55,7 +55,7 @@ from fairbatch.deployments.cluster.wire import (
 )
 from fairbatch.engine.sampling_params import SamplingParams
 from fairbatch.kv.block_pool import hash_block
-from fairbatch.scheduler.request import lora_salt
+from fairbatch.scheduler.request import long_rope_salt, lora_salt
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +68,7 @@ class ClusterClient:
         controller: Any,
         *,
         block_size: int = 16,
+        rope_long_from: int | None = None,
         admit_timeout_s: float = 120.0,
         item_timeout_s: float = 120.0,
         max_resubmits: int = 8,
@@ -75,6 +76,8 @@ class ClusterClient:
     ) -> None:
         self.controller = controller  # actor handle, or its name
         self.block_size = block_size
+        # longrope models (Phi-3): a prompt longer than this is cached under another salt
+        self.rope_long_from = rope_long_from
         self.admit_timeout_s = admit_timeout_s
         self.admission_timeout_s = admission_timeout_s
         self.item_timeout_s = item_timeout_s
@@ -123,6 +126,14 @@ class ClusterClient:
             self._links[replica_id] = link
         return link
 
+    def salt_of(self, prompt_ids: list[int], salt: str, lora: Any) -> str:
+        """The prefix-cache salt the replica's engine gives this request: its adapter's, and
+        longrope's long one for a prompt past the original length."""
+        salt = lora_salt(salt, None if lora is None else lora.name)
+        if self.rope_long_from is not None and len(prompt_ids) > self.rope_long_from:
+            salt = long_rope_salt(salt)
+        return salt
+
     def prefix_hashes(self, prompt_ids: list[int], salt: str) -> list[bytes]:
         bs = self.block_size
         hashes: list[bytes] = []
@@ -148,7 +159,7 @@ class ClusterClient:
         controller makes for it (once, plus once per resubmission)."""
         params = params or SamplingParams()
         lora = params.lora
-        salt = lora_salt(cache_salt or tenant, None if lora is None else lora.name)  # the engine's
+        salt = self.salt_of(prompt_ids, cache_salt or tenant, lora)
         meta = RequestMeta(
             request_id or uuid.uuid4().hex,
             list(prompt_ids),

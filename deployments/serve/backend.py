@@ -33,6 +33,7 @@ class ClusterBackend:
         max_model_len: int,
         *,
         block_size: int = 16,
+        rope_long_from: int | None = None,
         admit_timeout_s: float = 120.0,
         item_timeout_s: float = 120.0,
         admission_timeout_s: float = 30.0,
@@ -44,6 +45,7 @@ class ClusterBackend:
         self.client = ClusterClient(
             handles.controller,
             block_size=block_size,
+            rope_long_from=rope_long_from,
             admit_timeout_s=admit_timeout_s,
             item_timeout_s=item_timeout_s,
             admission_timeout_s=admission_timeout_s,

@@ -52,6 +52,21 @@ def model_max_len(model: str, configured: int) -> int:
         return configured
 
 
+def model_rope_long_from(model: str) -> int | None:
+    """Where a longrope model's (Phi-3's) long positions start, as its replicas read its
+    config.json; None for other models, and where the config cannot be read."""
+    if model in ("tiny", "sim"):
+        return None
+    from fairbatch.engine.config import ModelConfig
+    from fairbatch.engine.rope import rope_long_from
+
+    try:
+        cfg = json.loads((Path(model) / "config.json").read_text())
+        return rope_long_from(ModelConfig.from_hf_dict(cfg))
+    except (OSError, ValueError, KeyError):
+        return None
+
+
 def resolve_num_replicas(requested: int | str, gpus_per_replica: float) -> int:
     if requested != "auto":
         return int(requested)
@@ -94,6 +109,7 @@ class FairbatchIngress(HandleApi):
             tokenizer,
             model_max_len(cfg.model, replica_cfg.max_model_len),
             block_size=replica_cfg.block_size,
+            rope_long_from=model_rope_long_from(cfg.model),
             admit_timeout_s=cfg.request_timeout_s,
             item_timeout_s=cfg.request_timeout_s,
             admission_timeout_s=cfg.admission_timeout_s,

@@ -549,6 +549,36 @@ def test_phi4_mini_past_original_length_under_scheduling(scenario, ckpts, phi_lo
     assert len({tuple(t) for t in got[:4]}) == 4
 
 
+def test_the_cluster_client_hashes_a_long_prompt_as_its_replica_caches_it(ckpts) -> None:
+    """The controller routes by the client's prompt hashes against the replicas' cached ones:
+    a prompt past longrope's original length is cached under the long salt, so the client
+    (told where long starts, from the checkpoint's config as the ingress reads it) hashes it
+    with that salt too; a short prompt keeps the plain one."""
+    from types import SimpleNamespace
+
+    pytest.importorskip("ray")  # the client module imports it
+    from fairbatch.deployments.cluster.client import ClusterClient
+    from fairbatch.deployments.serve.ingress import model_rope_long_from
+
+    path = ckpts("phi4_mini")
+    long_from = model_rope_long_from(str(path))
+    assert long_from == PHI_ORIGINAL
+    long_prompt, short_prompt = max(_phi_long_prompts(), key=len), min(_phi_long_prompts(), key=len)
+    assert len(long_prompt) > long_from >= len(short_prompt)
+    _, engine = fb_greedy(path, [long_prompt, short_prompt], block_size=4, num_gpu_blocks=128)
+    cached = engine.scheduler.kv.gpu_pool.cached
+
+    def hashes(prompt, rope_long_from):
+        client = SimpleNamespace(block_size=4, rope_long_from=rope_long_from)
+        salt = ClusterClient.salt_of(client, prompt, "default", None)
+        return ClusterClient.prefix_hashes(client, prompt, salt)
+
+    for prompt in (long_prompt, short_prompt):
+        got = hashes(prompt, long_from)
+        assert got and all(h in cached for h in got)
+    assert not set(hashes(long_prompt, long_from)) & set(hashes(long_prompt, None))
+
+
 def test_gemma3_config_reads_as_transformers_does(ckpts, hf_models) -> None:
     """The checkpoint keeps gemma-3-1b's structure, and both config.json layouts read as
     transformers reads them: the published 4.x one (`sliding_window_pattern`,
