@@ -37,6 +37,13 @@ READY_TIMEOUT_S = 1800.0  # the first torch.compile of a large shape takes minut
 ROUND_TIMEOUT_S = 3600.0
 
 
+# Pause before each round. After its last step vLLM's worker keeps polling its shared-memory
+# queue for a while (`busy_loop_s`, 1 s, in vllm/distributed/device_communicators/
+# shm_broadcast.py): on a machine of few cores that poll took a core from the start of the
+# round that followed, fairbatch's prefill step; the pause lets it go idle first.
+SETTLE_S = 2.0
+
+
 def make_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
     """n prompts of `length` random ids, past the shipped tokenizer's special ids 0-3."""
     rng = random.Random(seed)
@@ -242,8 +249,10 @@ def run(
         say(f"  fairbatch ready in {fb.load_s:.0f} s, vllm in {ready.get('load_s', 0):.0f} s")
         fb_rounds, peer_rounds = [], []
         for i in range(rounds):
+            time.sleep(SETTLE_S)
             fb_rounds.append(fb.round())
             say(f"  round {i + 1}: fairbatch {fb_rounds[-1]['tok_s']:.1f} tok/s")
+            time.sleep(SETTLE_S)
             peer_rounds.append(peer.command("round", ROUND_TIMEOUT_S))
             say(f"  round {i + 1}: vllm      {peer_rounds[-1]['tok_s']:.1f} tok/s")
     extra = {

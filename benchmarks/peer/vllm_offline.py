@@ -59,16 +59,19 @@ def build_llm(settings: dict):
     )
 
 
-def round_result(outputs: list, wall: float) -> dict:
+def round_result(outputs: list, wall: float, started: float) -> dict:
     """tok/s of the round plus per-request TTFT / TPOT (from vLLM's request metrics, when it
-    gives them) and the generated token ids, in prompt order."""
+    gives them) and the generated token ids, in prompt order. TTFT counts from `started`, the
+    wall-clock time the round submitted its batch, as fairbatch's side counts it: vLLM's own
+    `first_token_latency` counts from each request's arrival, which leaves out the time
+    `generate` takes to add the requests before it."""
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     ttft, tpot = [], []
     for o in outputs:
         m = getattr(o, "metrics", None)
         if m is None or not getattr(m, "first_token_ts", 0.0):
             continue
-        ttft.append(m.first_token_latency)
+        ttft.append(m.arrival_time + m.first_token_latency - started)
         n = m.num_generation_tokens
         if n > 1:
             tpot.append((m.last_token_ts - m.first_token_ts) / (n - 1))
@@ -113,9 +116,9 @@ def main(argv: list[str]) -> int:
         if command != "round":
             out.write(json.dumps({"error": f"unknown command {command!r}"}) + "\n")
             continue
-        t = time.perf_counter()
+        started, t = time.time(), time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
-        out.write(json.dumps(round_result(outputs, time.perf_counter() - t)) + "\n")
+        out.write(json.dumps(round_result(outputs, time.perf_counter() - t, started)) + "\n")
     return 0
 
 

@@ -92,7 +92,8 @@ def fake_peer(tmp_path: Path) -> Path:
     return script
 
 
-def test_summary_table_and_ratio_from_fake_peer(fake_peer: Path) -> None:
+def test_summary_table_and_ratio_from_fake_peer(fake_peer: Path, monkeypatch) -> None:
+    monkeypatch.setattr(offline, "SETTLE_S", 0.0)  # no idle peer to wait for
     summary = offline.run(
         _settings(), sys.executable, 2, peer_script=fake_peer, fairbatch_side=FakeFairbatch,
         progress=False,
@@ -184,21 +185,22 @@ def test_kv_capacity_matches_in_tokens(tmp_path: Path) -> None:
 
 
 def test_vllm_round_result_reads_request_metrics() -> None:
-    def output(tokens: list[int], first: float, last: float, latency: float):
+    def output(tokens: list[int], arrival: float, first: float, last: float, latency: float):
         metrics = SimpleNamespace(
-            first_token_ts=first, last_token_ts=last, first_token_latency=latency,
-            num_generation_tokens=len(tokens),
+            arrival_time=arrival, first_token_ts=first, last_token_ts=last,
+            first_token_latency=latency, num_generation_tokens=len(tokens),
         )  # fmt: skip
         return SimpleNamespace(outputs=[SimpleNamespace(token_ids=tokens)], metrics=metrics)
 
-    outs = [output([5, 6, 7], 10.0, 10.5, 0.25), output([8], 11.0, 11.0, 0.5)]
-    r = vllm_offline.round_result(outs, wall=2.0)
+    # the round began at 100.0; the requests arrived (were added) at 100.5 and 101.0
+    outs = [output([5, 6, 7], 100.5, 10.0, 10.5, 0.25), output([8], 101.0, 11.0, 11.0, 0.5)]
+    r = vllm_offline.round_result(outs, wall=2.0, started=100.0)
     assert r["tokens"] == 4 and r["tok_s"] == 2.0
-    assert r["ttft_s"] == [0.25, 0.5]
+    assert r["ttft_s"] == [0.75, 1.5]  # from the round's start, as fairbatch's side counts
     assert r["tpot_s"] == [0.25]  # (10.5 - 10.0) / 2; one token has no TPOT
     assert r["outputs"] == [[5, 6, 7], [8]]
     no_metrics = [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[1])], metrics=None)]
-    assert vllm_offline.round_result(no_metrics, 1.0)["ttft_s"] is None
+    assert vllm_offline.round_result(no_metrics, 1.0, 0.0)["ttft_s"] is None
 
 
 def test_cli_imports_no_benchmark_module_torch_or_ray() -> None:
