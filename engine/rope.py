@@ -93,7 +93,7 @@ class RotaryEmbedding(nn.Module):
         self.attention_scaling = float(scaling.get("attention_factor", 1.0))
         # Positions from here on turn with long_inv_freq, and so do the tokens the runner flags
         # for a step (`long_tokens [T]` bool, or None): see the module docstring.
-        self.long_from = int(scaling.get("original_max_position_embeddings", 0))
+        self.long_from = rope_long_from(config)  # None without longrope
         self.long_tokens: torch.Tensor | None = None
 
     def forward(

@@ -82,8 +82,7 @@ class ModelRunner:
         # LoRA adapters (engine/lora.py's attach_lora): the step's slot per token goes here
         self.lora = None
         # longrope (Phi-3): the original context length, past which a sequence turns long
-        rotary = model.model.rotary
-        self.rope_long_from = rotary.long_from if rotary.long_inv_freq is not None else None
+        self.rope_long_from = model.model.rotary.long_from
 
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Capture the decode forward at the padded batch sizes up to `max_num_seqs`."""

@@ -41,29 +41,37 @@ def load_tokenizer(model: str) -> Any:
     return Tokenizer.from_dir(model)
 
 
+def _hf_config(model: str) -> dict | None:
+    """A model directory's config.json; None for the built-in models, or when unreadable."""
+    if model in ("tiny", "sim"):
+        return None
+    try:
+        return json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def model_max_len(model: str, configured: int) -> int:
     """The replica's `max_model_len`, capped by the model's own position limit."""
-    if model in ("tiny", "sim"):
+    cfg = _hf_config(model)
+    if cfg is None:
         return configured
     try:
-        cfg = json.loads((Path(model) / "config.json").read_text())
         return min(configured, int(cfg.get("max_position_embeddings") or configured))
-    except (OSError, ValueError):
+    except ValueError:
         return configured
 
 
 def model_rope_long_from(model: str) -> int | None:
     """Where a longrope model's (Phi-3's) long positions start, as its replicas read its
     config.json; None for other models, and where the config cannot be read."""
-    if model in ("tiny", "sim"):
-        return None
     from fairbatch.engine.config import ModelConfig
     from fairbatch.engine.rope import rope_long_from
 
+    cfg = _hf_config(model)
     try:
-        cfg = json.loads((Path(model) / "config.json").read_text())
-        return rope_long_from(ModelConfig.from_hf_dict(cfg))
-    except (OSError, ValueError, KeyError):
+        return None if cfg is None else rope_long_from(ModelConfig.from_hf_dict(cfg))
+    except (ValueError, KeyError):
         return None
 
 
