@@ -20,6 +20,7 @@ from safetensors import safe_open
 from fairbatch.engine.attention import get_attn_backend
 from fairbatch.engine.config import ModelConfig, eos_ids
 from fairbatch.engine.model import LlamaForCausalLM
+from fairbatch.engine.ops import onednn_usable
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -33,7 +34,7 @@ def load_hf_model(
 ) -> tuple[LlamaForCausalLM, ModelConfig, dict[str, Any]]:
     """Returns (model in eval mode, its config, generation defaults).
 
-    dtype: float32 on CPU, bfloat16 on CUDA, unless given. attn_backend: a registry name, or
+    dtype: `default_dtype` unless given. attn_backend: a registry name, or
     None for flash where it can run and torch elsewhere (checked here, not at the first step).
     The generation dict is `generation_config.json` as written, plus `eos_token_ids`: a list
     built from its `eos_token_id` (an int or a list), else from `config.json`'s.
@@ -49,7 +50,7 @@ def load_hf_model(
 
     device = torch.device(device)
     if dtype is None:
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        dtype = default_dtype(device, config.dtype)
     # Resolve now so a backend that cannot run here fails before the weights are read.
     backend = get_attn_backend(attn_backend, device, head_dim=config.head_dim, dtype=dtype)
 
@@ -59,6 +60,21 @@ def load_hf_model(
     model = model.to(dtype).to_empty(device=device)
     model.load_weights(_iter_tensors(files))
     return model.eval(), config, generation
+
+
+def default_dtype(device: torch.device | str, checkpoint_dtype: str | None) -> torch.dtype:
+    """The dtype a model runs in when none is asked for.
+
+    On CUDA, bfloat16. On the CPU, the checkpoint's own dtype (config.json's `dtype` /
+    `torch_dtype`) where the CPU computes it natively: a bfloat16 or float16 checkpoint runs in
+    bfloat16 where oneDNN has a bfloat16 path (AVX-512 BF16 or AMX; about 1.6x float32's
+    speed on a 0.5B model, docs/BENCHMARKS.md), and float32 elsewhere; float16 has no fast CPU
+    path. A float32 checkpoint, or one that names no dtype, runs in float32."""
+    if torch.device(device).type == "cuda":
+        return torch.bfloat16
+    if checkpoint_dtype in ("bfloat16", "float16") and onednn_usable("cpu", torch.bfloat16):
+        return torch.bfloat16
+    return torch.float32
 
 
 def weight_files(root: Path) -> list[Path]:

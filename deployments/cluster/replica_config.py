@@ -38,7 +38,8 @@ class ReplicaConfig:
     heartbeat_s: float = 0.5
     device: str = "cpu"
     torch_threads: int = 1  # CPU model: intra-op threads per replica (replicas share cores)
-    # the model's dtype: "auto" keeps the engine's choice (bfloat16 on CUDA, float32 on CPU)
+    # the model's dtype: "auto" keeps the engine's choice (engine/loader.py's default_dtype:
+    # bfloat16 on CUDA; on CPU the checkpoint's, bfloat16 where the CPU has a bf16 path)
     dtype: str = "auto"
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # CUDA: no decode CUDA graphs

@@ -250,8 +250,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--dtype",
         choices=("auto", "float32", "bfloat16", "float16"),
-        help="the model's dtype (default auto: bfloat16 on CUDA, float32 on CPU; config: "
-        "engine.dtype)",
+        help="the model's dtype (default auto: bfloat16 on CUDA; on CPU the checkpoint's, "
+        "bfloat16 where the CPU computes it natively, else float32; config: engine.dtype)",
     )
     p.add_argument("--port", type=_port, default=8000)
     p.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to listen on every interface")

@@ -4,16 +4,19 @@ stated tolerance."""
 
 from __future__ import annotations
 
+import json
 import math
 import random
+import shutil
 
 import pytest
 import torch
 from torch import nn
 
 import fairbatch.engine.model as model_module
+import fairbatch.engine.ops as ops_module
 from fairbatch.engine.attention import AttentionMetadata
-from fairbatch.engine.loader import load_hf_model
+from fairbatch.engine.loader import default_dtype, load_hf_model
 from fairbatch.engine.ops import PackedLinear, onednn_usable, pack_linears
 
 pytestmark = pytest.mark.skipif(
@@ -103,3 +106,41 @@ def test_bf16_logprobs_close_to_hf_float32(ckpt: str, request) -> None:
     assert worst <= BF16_LOGPROB_ATOL
     picked = ref.gather(1, ours.argmax(-1, keepdim=True)).squeeze(1)
     assert (ref.max(-1).values - picked).max().item() <= BF16_LOGPROB_ATOL
+
+
+@pytest.mark.parametrize("native_bf16", [True, False])
+def test_default_dtype_is_the_checkpoints_where_the_cpu_computes_it(
+    native_bf16: bool, monkeypatch
+) -> None:
+    monkeypatch.setattr(ops_module, "_BF16", native_bf16)  # oneDNN's bf16 path, as detected
+    low = torch.bfloat16 if native_bf16 else torch.float32
+    assert default_dtype("cpu", "bfloat16") == low
+    assert default_dtype("cpu", "float16") == low  # no fast float16 on CPU: bf16's range
+    assert default_dtype("cpu", "float32") == torch.float32
+    assert default_dtype("cpu", None) == torch.float32
+    assert default_dtype("cuda", "float32") == torch.bfloat16
+
+
+def test_a_bfloat16_checkpoint_runs_in_bfloat16_by_default(llama_ckpt, tmp_path) -> None:
+    """Saved in bfloat16 (as most published checkpoints are), a model loaded without a dtype
+    runs in bfloat16 where the CPU has the path, and its log-probs stay within the bf16
+    tolerance of transformers' float32 on the same (bf16-rounded) weights."""
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "bf16"
+    shutil.copytree(llama_ckpt, path)
+    weights = path / "model.safetensors"
+    save_file({k: v.to(torch.bfloat16) for k, v in load_file(weights).items()}, weights)
+    config = json.loads((path / "config.json").read_text())
+    config["dtype"] = "bfloat16"
+    (path / "config.json").write_text(json.dumps(config))
+
+    model, _, _ = load_hf_model(path)
+    expected = torch.bfloat16 if onednn_usable("cpu", torch.bfloat16) else torch.float32
+    assert {p.dtype for p in model.parameters()} == {expected}
+    model.pack_for_cpu()
+    prompts = _prompts()
+    ours = _logits(model, prompts).log_softmax(-1)
+    ref = _hf_logits(path, prompts).log_softmax(-1)  # float32 over the bf16 weights
+    likely = ref > math.log(1e-3)
+    assert (ours - ref).abs()[likely].max().item() <= BF16_LOGPROB_ATOL
