@@ -67,7 +67,7 @@ def default_dtype(device: torch.device | str, checkpoint_dtype: str | None) -> t
 
     On CUDA, bfloat16. On the CPU, the checkpoint's own dtype (config.json's `dtype` /
     `torch_dtype`) where the CPU computes it natively: a bfloat16 or float16 checkpoint runs in
-    bfloat16 where oneDNN has a bfloat16 path (AVX-512 BF16 or AMX; about 1.6x float32's
+    bfloat16 where oneDNN has a bfloat16 path (AVX-512 BF16 or AMX; about 1.7x float32's
     speed on a 0.5B model, docs/BENCHMARKS.md), and float32 elsewhere; float16 has no fast CPU
     path. A float32 checkpoint, or one that names no dtype, runs in float32."""
     if torch.device(device).type == "cuda":
