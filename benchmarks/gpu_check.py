@@ -265,7 +265,7 @@ def families_check() -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         for name, shape in FAMILIES.items():
             path = build_checkpoint(Path(tmp) / name, hf_config(shape))
-            cpu = LLM(str(path), device="cpu")
+            cpu = LLM(str(path), device="cpu", dtype=torch.float32)
             ref = [o.token_ids for o in cpu.generate(prompts, params, use_tqdm=False)]
             torch.backends.cuda.matmul.allow_tf32 = False
             fp32 = LLM(str(path), device="cuda", dtype=torch.float32, num_gpu_blocks=256)
