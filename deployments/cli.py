@@ -343,6 +343,12 @@ def _add_bench_serve(bench_sub: argparse._SubParsersAction) -> None:
         "llama-3.2-1b, tiny; built once and cached) or a checkpoint directory (default: "
         "qwen2.5-0.5b with --peer, else the embedded tiny model)",
     )
+    g.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="--peer: the dtype both servers compute in (default float32)",
+    )
     g.add_argument("--cluster-json", help="for summary: `fairbatch bench cluster --json` output")
     srv.set_defaults(func=_bench_serve, parser=srv)
 

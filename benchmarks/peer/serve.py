@@ -7,8 +7,9 @@ command line (`serve_bench.custom_workload`: --num-prompts, --rate or --concurre
 the other for the cores. Both get the same max_num_seqs, token budget per step, max model
 length and KV capacity in tokens (--num-gpu-blocks blocks of 16 tokens; vLLM's in bytes,
 `--kv-cache-memory-bytes`), prefix caching on in both, greedy outputs with ignore_eos. fairbatch
-runs as `fairbatch serve --replicas 1` (Ray, direct ingress); it computes in float32 on CPU, and
-so does vLLM here. `--rounds N` repeats the pair N times, the order alternated each round.
+runs as `fairbatch serve --replicas 1` (Ray, direct ingress). Both compute in `--dtype` (float32
+unless given; the checkpoint is built in it). `--rounds N` repeats the pair N times, the order
+alternated each round.
 
 The table: output tok/s, requests/s, TTFT p50/p99 and TPOT p50/p99 of each (medians over the
 rounds), and the median of the rounds' ratios of output tok/s fairbatch / vLLM.
@@ -125,11 +126,11 @@ main()
 
 def vllm_server(python: str, model_dir: Path, eng: dict, port: int, log: Path) -> Server:
     config = json.loads((model_dir / "config.json").read_text())
-    kv_bytes = peer_kv_bytes(eng["kv_tokens"], PEER_BLOCK, config, "float32")
+    kv_bytes = peer_kv_bytes(eng["kv_tokens"], PEER_BLOCK, config, eng["dtype"])
     cmd = [
         python, "-c", VLLM_SERVE, "serve",
         str(model_dir), "--host", "127.0.0.1", "--port", str(port),
-        "--served-model-name", SERVED_NAME, "--dtype", "float32", "--seed", "0",
+        "--served-model-name", SERVED_NAME, "--dtype", eng["dtype"], "--seed", "0",
         "--max-num-seqs", str(eng["max_num_seqs"]),
         "--max-num-batched-tokens", str(eng["max_num_batched_tokens"]),
         "--max-model-len", str(eng["max_model_len"]), "--block-size", str(PEER_BLOCK),
@@ -150,6 +151,7 @@ def fairbatch_server(model_dir: Path, eng: dict, port: int, workdir: Path) -> Se
             "max_model_len": eng["max_model_len"],
             "num_gpu_blocks": eng["kv_tokens"] // BLOCK,
             "block_size": BLOCK,
+            "dtype": eng["dtype"],
         },
     }
     cfg = workdir / "fairbatch.yaml"
@@ -257,7 +259,8 @@ def run(args: Any) -> int:
     try:
         python = check_peer_python(args.peer_python)
         checkpoint = args.checkpoint or DEFAULT_CHECKPOINT
-        model_dir = resolve_model(checkpoint, "float32")
+        dtype = getattr(args, "dtype", None) or "float32"
+        model_dir = resolve_model(checkpoint, dtype)
     except (PeerError, ValueError) as e:
         print(f"fairbatch bench serve: {e}", file=sys.stderr)
         return 1
@@ -269,6 +272,7 @@ def run(args: Any) -> int:
         "max_num_batched_tokens": 2048,
         "max_model_len": min(4096, kv_tokens, max_positions),
         "kv_tokens": -(-kv_tokens // PEER_BLOCK) * PEER_BLOCK,
+        "dtype": dtype,
     }
     rounds: list[dict[str, dict]] = []
     with tempfile.TemporaryDirectory(prefix="fairbatch-peer-serve-") as tmp:

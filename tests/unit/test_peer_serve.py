@@ -3,6 +3,7 @@ that dies, stopping its whole session), the table, and the argument errors."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -158,3 +159,26 @@ def test_rounds_alternate_the_servers_and_report_medians(monkeypatch, tmp_path: 
     assert summary["ratio_fairbatch_to_vllm"] == 0.909
     assert summary["ratio_range"] == [0.9, 1.083]
     assert len(summary["rounds"]) == 3
+
+
+def test_both_servers_compute_in_the_asked_dtype(tmp_path: Path) -> None:
+    """--dtype bfloat16: vLLM is told so and its KV bytes are bf16's (half of float32's for the
+    same tokens); fairbatch's app config carries the same dtype."""
+    import yaml
+
+    (tmp_path / "config.json").write_text(
+        json.dumps({"num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 64,
+                    "num_hidden_layers": 3})
+    )  # fmt: skip
+    eng = {"max_num_seqs": 4, "max_num_batched_tokens": 2048, "max_model_len": 256,
+           "kv_tokens": 1024}  # fmt: skip
+    kv_bytes = {}
+    for dtype in ("float32", "bfloat16"):
+        cmd = serve.vllm_server("py", tmp_path, {**eng, "dtype": dtype}, 1, tmp_path / "v.log").cmd
+        assert cmd[cmd.index("--dtype") + 1] == dtype
+        kv_bytes[dtype] = int(cmd[cmd.index("--kv-cache-memory-bytes") + 1])
+        serve.fairbatch_server(tmp_path, {**eng, "dtype": dtype}, 1, tmp_path)
+        app = yaml.safe_load((tmp_path / "fairbatch.yaml").read_text())
+        assert app["engine"]["dtype"] == dtype
+    # (1024 + one null block of 128) tokens x 2 (K, V) x 3 layers x 2 heads x 16 dims x bytes
+    assert kv_bytes == {"float32": 1152 * 2 * 3 * 2 * 16 * 4, "bfloat16": 1152 * 2 * 3 * 2 * 16 * 2}
