@@ -152,6 +152,10 @@ def fairbatch_server(model_dir: Path, eng: dict, port: int, workdir: Path) -> Se
             "num_gpu_blocks": eng["kv_tokens"] // BLOCK,
             "block_size": BLOCK,
             "dtype": eng["dtype"],
+            # every core this process may use, as vLLM's threads are bound to (peer_env)
+            "torch_threads": len(os.sched_getaffinity(0))
+            if hasattr(os, "sched_getaffinity")
+            else (os.cpu_count() or 1),
         },
     }
     cfg = workdir / "fairbatch.yaml"
