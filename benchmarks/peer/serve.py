@@ -37,6 +37,7 @@ from fairbatch.benchmarks.peer.process import (
     log_tail,
     peer_env,
     reaped,
+    usable_cores,
 )
 from fairbatch.benchmarks.peer.vllm_offline import peer_kv_bytes
 
@@ -153,9 +154,7 @@ def fairbatch_server(model_dir: Path, eng: dict, port: int, workdir: Path) -> Se
             "block_size": BLOCK,
             "dtype": eng["dtype"],
             # every core this process may use, as vLLM's threads are bound to (peer_env)
-            "torch_threads": len(os.sched_getaffinity(0))
-            if hasattr(os, "sched_getaffinity")
-            else (os.cpu_count() or 1),
+            "torch_threads": len(usable_cores()) or os.cpu_count() or 1,
         },
     }
     cfg = workdir / "fairbatch.yaml"

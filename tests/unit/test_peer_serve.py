@@ -148,8 +148,6 @@ def test_rounds_alternate_the_servers_and_report_medians(monkeypatch, tmp_path: 
     )  # fmt: skip
     assert serve.run(args) == 0
     assert started == ["vllm", "fairbatch", "fairbatch", "vllm", "vllm", "fairbatch"]
-    import json
-
     summary = json.loads((tmp_path / "result.json").read_text())
     assert summary["vllm"]["output_tok_s"] == 110.0
     assert summary["fairbatch"]["output_tok_s"] == 100.0
