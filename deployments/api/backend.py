@@ -45,6 +45,7 @@ Backend protocol (duck-typed; only `generate`, `abort`, `tokenizer`, `max_model_
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -94,10 +95,12 @@ class LocalBackend:
 
     @classmethod
     def build(cls, model: str = "tiny", **engine_kwargs: Any) -> LocalBackend:
-        """A backend over `build_engine(model, **engine_kwargs)` (loads torch)."""
+        """A backend over `build_engine(model, **engine_kwargs)` (loads torch), built on the
+        engine thread that will step it (why: `AsyncEngine.build`)."""
+        from fairbatch.engine.async_engine import AsyncEngine
         from fairbatch.engine.llm import build_engine
 
-        return cls(build_engine(model, **engine_kwargs))
+        return cls(AsyncEngine.build(functools.partial(build_engine, model, **engine_kwargs)))
 
     async def generate(
         self,

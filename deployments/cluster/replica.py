@@ -78,9 +78,12 @@ class Replica(Reports):
 
         self.replica_id = replica_id
         self.config = config
-        self.core = build_core(config)
         self.time_scale = config.time_scale
-        self.engine = AsyncEngine(self.core, step_hook=self._pace, sink=self._deliver)
+        # built on the engine thread, which runs every step (why: AsyncEngine.build)
+        self.engine = AsyncEngine.build(
+            functools.partial(build_core, config), step_hook=self._pace, sink=self._deliver
+        )
+        self.core = self.engine.engine
         if trace.ON:
             self.engine.step_clock = trace.StepClock()
         self._routes: dict[str, _Route] = {}  # request id -> where its items go

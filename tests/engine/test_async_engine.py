@@ -1,10 +1,12 @@
 """AsyncEngine: concurrent streams equal the offline results; a closed stream frees its blocks;
 a failed step ends every stream; the steps run ahead of a busy event loop, within a bound;
-shutdown and interpreter exit stop the engine thread."""
+shutdown and interpreter exit stop the engine thread; `build` makes the engine on the thread
+that steps it."""
 
 import asyncio
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -41,6 +43,38 @@ def test_concurrent_streams_match_offline():
     tok = engine.engine.tokenizer
     assert [r[1] for r in results] == [tok.decode(t) for t in ref]
     assert engine.engine.scheduler.kv.all_free()
+
+
+def test_build_makes_the_engine_on_the_thread_that_steps_it():
+    ref = LLM("tiny", num_gpu_blocks=128).generate(PROMPTS[0], PARAMS)[0].token_ids
+    built_on, stepped_on = [], set()
+
+    def factory():
+        built_on.append(threading.get_ident())
+        return build_engine("tiny", num_gpu_blocks=128)
+
+    async def main():
+        engine = AsyncEngine.build(factory, step_hook=lambda: stepped_on.add(threading.get_ident()))
+        tokens = [t async for d in engine.generate(PROMPTS[0], PARAMS) for t in d.token_ids]
+        await engine.shutdown()
+        return tokens
+
+    assert asyncio.run(main()) == ref
+    assert len(built_on) == 1 and built_on[0] != threading.get_ident()
+    assert stepped_on == set(built_on)
+
+
+def test_build_raises_what_the_factory_raises_and_leaves_no_thread():
+    def factory():
+        raise ValueError("no such model")
+
+    before = threading.active_count()
+    with pytest.raises(ValueError, match="no such model"):
+        AsyncEngine.build(factory)
+    deadline = time.monotonic() + 5
+    while threading.active_count() > before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert threading.active_count() == before
 
 
 def test_closing_a_stream_aborts_and_frees():

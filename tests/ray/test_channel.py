@@ -76,6 +76,41 @@ def test_one_message_per_step_carries_every_request_of_the_consumer():
     assert rep.core.scheduler.kv.all_free()
 
 
+def test_the_engine_is_built_on_the_thread_that_steps_it(monkeypatch):
+    """All of a replica's model work is on its engine thread: on CPU a model built on the
+    actor's thread, which lives on, leaves a second OpenMP team that slows every step."""
+    import threading
+
+    from fairbatch.deployments.cluster import replica as replica_module
+
+    built_on, paced_on = [], set()
+    build_core, pace_step = replica_module.build_core, replica_module.pace_step
+
+    def recording_build(cfg):
+        built_on.append(threading.get_ident())
+        return build_core(cfg)
+
+    def recording_pace(core, scale):
+        paced_on.add(threading.get_ident())
+        pace_step(core, scale)
+
+    monkeypatch.setattr(replica_module, "build_core", recording_build)
+    monkeypatch.setattr(replica_module, "pace_step", recording_pace)
+
+    async def main():
+        rep = replica()
+        items = read_until_finished(rep.channel("c1"), 2)
+        assert await rep.submit("c1", [meta(i, 5) for i in range(2)]) == [None] * 2
+        items = await items
+        await rep.engine.shutdown()
+        return items
+
+    items = run(main())
+    assert sum(len(it.token_ids) for it in items) == 10
+    assert len(built_on) == 1 and built_on[0] != threading.get_ident()
+    assert paced_on == set(built_on)
+
+
 def test_a_consumer_that_stops_reading_is_dropped_with_an_error():
     async def main():
         rep = replica()
