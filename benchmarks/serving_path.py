@@ -3,7 +3,7 @@
 The same requests (token-id prompts, greedy, `ignore_eos`, a fixed number of streams) go
   * `offline`: `LLM("tiny", max_num_seqs=replicas x seats).generate(...)` in this process;
   * `engines`: the replicas' engines alone, one process each (`LLM("tiny", max_num_seqs=seats)`
-    on one torch thread, as a replica runs it), side by side, request i on engine
+    on its share of the cores, as a replica runs it), side by side, request i on engine
     i % replicas: what the replicas could deliver here if nothing else ran;
   * `local_http`: the local HTTP server (`serve_server`, one engine, no Ray) and a streaming
     HTTP client;
@@ -308,11 +308,11 @@ def offline_run(ids: list[list[int]], wl: dict, seats: int) -> dict:
 
 
 def _engine_process(seats: int, wl: dict, share: list[list[int]], conn: Any) -> None:
-    """One engine of `engines`: the tiny model with one replica's seats on one torch thread
-    (as a replica runs it), warmed up; runs `share` when told, sends back what it made."""
+    """One engine of `engines`: the tiny model with one replica's seats and its share of the
+    cores (as a replica runs it), warmed up; runs `share` when told, sends back what it made."""
     import torch
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // wl["replicas"]))
     llm, params = _tiny_engine(seats, wl, share)
     conn.send("ready")
     conn.recv()  # go

@@ -37,7 +37,6 @@ from fairbatch.benchmarks.peer.process import (
     log_tail,
     peer_env,
     reaped,
-    usable_cores,
 )
 from fairbatch.benchmarks.peer.vllm_offline import peer_kv_bytes
 
@@ -153,8 +152,8 @@ def fairbatch_server(model_dir: Path, eng: dict, port: int, workdir: Path) -> Se
             "num_gpu_blocks": eng["kv_tokens"] // BLOCK,
             "block_size": BLOCK,
             "dtype": eng["dtype"],
-            # every core this process may use, as vLLM's threads are bound to (peer_env)
-            "torch_threads": len(usable_cores()) or os.cpu_count() or 1,
+            # (torch threads: the default, every core for one replica, as vLLM's threads are
+            # bound to every core: peer_env)
         },
     }
     cfg = workdir / "fairbatch.yaml"

@@ -37,7 +37,8 @@ class ReplicaConfig:
     report_interval_s: float = 0.02
     heartbeat_s: float = 0.5
     device: str = "cpu"
-    torch_threads: int = 1  # CPU model: intra-op threads per replica (replicas share cores)
+    # CPU model: intra-op threads; 0 = this replica's share of its node's cores (`cpu_threads`)
+    torch_threads: int = 0
     # the model's dtype: "auto" keeps the engine's choice (engine/loader.py's default_dtype:
     # bfloat16 on CUDA; on CPU the checkpoint's, bfloat16 where the CPU has a bf16 path)
     dtype: str = "auto"
@@ -59,7 +60,7 @@ class ReplicaConfig:
             "num_gpu_blocks": 1,
             "num_cpu_blocks": 0,
             "block_size": 1,
-            "torch_threads": 1,
+            "torch_threads": 0,
             "max_loras": 0,
             "max_lora_rank": 1,
         }
@@ -103,8 +104,8 @@ def build_core(cfg: ReplicaConfig) -> EngineCore:
 
     from fairbatch.engine.llm import build_engine
 
-    if cfg.device == "cpu" and cfg.torch_threads > 0:
-        torch.set_num_threads(cfg.torch_threads)
+    if cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available()):
+        torch.set_num_threads(cfg.torch_threads or cpu_threads())
     return build_engine(
         cfg.engine,
         device=cfg.device,
@@ -124,6 +125,27 @@ def build_core(cfg: ReplicaConfig) -> EngineCore:
         max_loras=cfg.max_loras,
         max_lora_rank=cfg.max_lora_rank,
     )
+
+
+def cpu_threads() -> int:
+    """A CPU replica's torch threads by default: the cores this process may use, times the
+    replica's share of its node's GPUs (on a machine without CUDA these are the fake GPUs Ray
+    is given, one per replica), so the replicas on a node split its cores. All the cores
+    outside Ray; one for a replica that holds no GPU (its neighbours are not known)."""
+    import os
+
+    import ray
+
+    cores = len(os.sched_getaffinity(0))
+    if not ray.is_initialized():
+        return cores
+    ctx = ray.get_runtime_context()
+    mine = ctx.get_assigned_resources().get("GPU", 0.0)
+    node = next((n for n in ray.nodes() if n["NodeID"] == ctx.get_node_id()), None)
+    total = node["Resources"].get("GPU", 0.0) if node else 0.0
+    if not (mine > 0 and total > 0):
+        return 1
+    return max(1, int(cores * mine / total))
 
 
 def pace_step(core: EngineCore, time_scale: float) -> None:
