@@ -15,8 +15,8 @@ which sends each consumer one message per step, not one per token per request).
 does all of a process's torch work. On CPU this matters: torch's OpenMP runtime keeps a team of
 worker threads for every thread that has run a parallel op, and once the teams' threads
 outnumber the cores, GNU OpenMP stops letting idle workers spin between ops and puts them to
-sleep at once. A model loaded on an actor's main thread (which lives on) and stepped on this
-one made 20% slower steps on 2 cores.
+sleep at once: a model loaded on an actor's main thread (which lives on) and stepped on this
+one took about 20% longer a step on 2 cores.
 """
 
 from __future__ import annotations

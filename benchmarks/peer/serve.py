@@ -152,8 +152,8 @@ def fairbatch_server(model_dir: Path, eng: dict, port: int, workdir: Path) -> Se
             "num_gpu_blocks": eng["kv_tokens"] // BLOCK,
             "block_size": BLOCK,
             "dtype": eng["dtype"],
-            # (torch threads: the default, every core for one replica, as vLLM's threads are
-            # bound to every core: peer_env)
+            # torch_threads left to its default: one replica gets every core, as vLLM's
+            # threads are bound to every core (peer_env)
         },
     }
     cfg = workdir / "fairbatch.yaml"
