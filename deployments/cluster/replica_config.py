@@ -131,7 +131,7 @@ def cpu_threads() -> int:
     """A CPU replica's torch threads by default: the cores this process may use, times the
     replica's share of its node's GPUs (on a machine without CUDA these are the fake GPUs Ray
     is given, one per replica), so the replicas on a node split its cores. All the cores
-    outside Ray; one for a replica that holds no GPU (its neighbours are not known)."""
+    outside a Ray worker; one for a replica that holds no GPU (its neighbours are not known)."""
     import os
 
     import ray
@@ -140,6 +140,8 @@ def cpu_threads() -> int:
     if not ray.is_initialized():
         return cores
     ctx = ray.get_runtime_context()
+    if ctx.worker.mode != ray.WORKER_MODE:  # a driver: holds no resources
+        return cores
     mine = ctx.get_assigned_resources().get("GPU", 0.0)
     node = next((n for n in ray.nodes() if n["NodeID"] == ctx.get_node_id()), None)
     total = node["Resources"].get("GPU", 0.0) if node else 0.0

@@ -35,6 +35,10 @@ def test_outside_ray_a_model_gets_every_core(monkeypatch):
     assert cpu_threads() == len(os.sched_getaffinity(0))
 
 
+def test_a_driver_with_ray_up_gets_every_core(node):
+    assert cpu_threads() == len(os.sched_getaffinity(0))
+
+
 def test_a_replica_gets_its_gpu_share_of_the_cores(node):
     @ray.remote(num_cpus=0)
     def threads() -> int:
@@ -55,3 +59,18 @@ def test_build_core_sets_the_default_and_an_explicit_count(node):
 
     assert ray.get(threads.remote(0)) == expected(2)
     assert ray.get(threads.remote(3)) == 3
+
+
+def test_a_replica_actor_steps_its_model_with_its_share(node):
+    from fairbatch.deployments.cluster.replica import Replica
+
+    @ray.remote(num_cpus=0, num_gpus=NODE_GPUS, max_concurrency=100)
+    class Probe(Replica):
+        async def threads(self) -> int:
+            import torch
+
+            return await self.engine.call(torch.get_num_threads)  # on the engine thread
+
+    rep = Probe.remote("probe", ReplicaConfig(engine="tiny", num_gpu_blocks=16))
+    assert ray.get(rep.threads.remote()) == expected(NODE_GPUS)  # every core here
+    ray.kill(rep)
