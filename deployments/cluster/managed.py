@@ -145,10 +145,6 @@ class ClusterReplica(Replica):
         namespace: str | None = None,
         metrics_interval_s: float = 1.0,
     ) -> None:
-        if config.device == "auto":  # a Ray GPU may be fake: ask torch, never Ray
-            import torch
-
-            config = replace(config, device="cuda" if torch.cuda.is_available() else "cpu")
         super().__init__(replica_id, config, controller_name, namespace)
         if config.engine == "sim" and self.core.tokenizer is None:
             from fairbatch.engine.tokenizer import Tokenizer

@@ -25,7 +25,7 @@ import asyncio
 import functools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import ray
@@ -76,6 +76,10 @@ class Replica(Reports):
     ) -> None:
         from fairbatch.engine.async_engine import AsyncEngine
 
+        if config.device == "auto":  # a Ray GPU may be fake: ask torch, never Ray
+            import torch
+
+            config = replace(config, device="cuda" if torch.cuda.is_available() else "cpu")
         self.replica_id = replica_id
         self.config = config
         self.time_scale = config.time_scale

@@ -104,7 +104,7 @@ def build_core(cfg: ReplicaConfig) -> EngineCore:
 
     from fairbatch.engine.llm import build_engine
 
-    if cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available()):
+    if cfg.device == "cpu":  # ("auto" is resolved by the replica)
         torch.set_num_threads(cfg.torch_threads or cpu_threads())
     return build_engine(
         cfg.engine,
