@@ -177,7 +177,7 @@ def measure(url: str, wl: Any, args: Any) -> dict[str, Any]:
     )  # fmt: skip
     model = asyncio.run(_first_model(url))
     target.model = model or SERVED_NAME
-    asyncio.run(run_phase(target, wl, specs=_warmup_specs(wl)))
+    asyncio.run(run_phase(target, wl, specs=warmup_specs(args)))
     phase = asyncio.run(run_phase(target, wl))
     s = phase["summary"]
     req, tp = s["requests"], s["throughput"]
@@ -202,10 +202,18 @@ async def _first_model(url: str) -> str | None:
     return await probe(url, None)
 
 
-def _warmup_specs(wl: Any) -> list:
+def warmup_specs(args: Any) -> list:
+    """The warm-up's requests, sent at once: the workload's lengths, prompts of their own. A
+    measured prompt sent in the warm-up would find its blocks in a server's prefix cache: in
+    fairbatch's, not vLLM's, for 64-token prompts (blocks of 16 tokens against 128)."""
+    import argparse
     import dataclasses
 
-    return [dataclasses.replace(s, arrival_s=0.0) for s in wl.specs[:WARMUP_REQUESTS]]
+    from fairbatch.benchmarks.serve_bench import custom_workload
+
+    # a string seed draws from a stream no --seed gives
+    other = custom_workload(argparse.Namespace(**{**vars(args), "seed": "warm-up"}))
+    return [dataclasses.replace(s, arrival_s=0.0) for s in other.specs[:WARMUP_REQUESTS]]
 
 
 def round_order(names: list[str], k: int) -> list[str]:

@@ -180,3 +180,25 @@ def test_both_servers_compute_in_the_asked_dtype(tmp_path: Path) -> None:
         assert app["engine"]["dtype"] == dtype
     # (1024 + one null block of 128) tokens x 2 (K, V) x 3 layers x 2 heads x 16 dims x bytes
     assert kv_bytes == {"float32": 1152 * 2 * 3 * 2 * 16 * 4, "bfloat16": 1152 * 2 * 3 * 2 * 16 * 2}
+
+
+def test_the_warmup_sends_prompts_of_its_own() -> None:
+    """The warm-up's requests have the workload's lengths but none of its prompts (nor the
+    same start): a measured prompt sent in the warm-up would be a prefix-cache hit in
+    fairbatch's 16-token blocks and not in vLLM's 128."""
+    import argparse
+
+    from fairbatch.benchmarks.serve_bench import custom_workload
+
+    args = argparse.Namespace(
+        num_prompts=32, rate=float("inf"), process="poisson", burstiness=1.0, concurrency=32,
+        input_len="fixed:64", output_len="fixed:64", sharegpt=None, shared_prefix=None,
+        tenants=None, seed=0,
+    )  # fmt: skip
+    measured = custom_workload(args).specs
+    warm = serve.warmup_specs(args)
+    assert len(warm) == serve.WARMUP_REQUESTS
+    assert {(s.prompt_len, s.max_tokens, s.arrival_s) for s in warm} == {(64, 64, 0.0)}
+    starts = {s.prompt[:24] for s in measured}
+    assert len(starts) == len(measured)  # the check below can tell the prompts apart
+    assert not any(s.prompt[:24] in starts for s in warm)

@@ -13,10 +13,12 @@ import torch
 
 from fairbatch.benchmarks.serving_path import (
     _involuntary_switches,
+    _tiny_engine,
     by_role,
     engine_processes,
     engines_run,
     prompts,
+    warmup_prompts,
 )
 from fairbatch.engine import LLM, SamplingParams
 from fairbatch.engine.tokenizer import Tokenizer
@@ -97,3 +99,14 @@ def test_preemptions_count_every_thread_not_only_the_main_one():
     finally:
         target.kill()
         target.wait()
+
+
+def test_the_warmup_leaves_no_measured_prompt_in_the_prefix_cache():
+    # 40-token prompts fill two 16-token blocks, which a warm-up on them would leave cached
+    wl = {**WL, "prompt_len": 40}
+    llm, params = _tiny_engine(WL["seats"], wl)
+    ids = prompts(6, wl["prompt_len"], Tokenizer.tiny().vocab_size, 0)
+    assert [o.num_cached_tokens for o in llm.generate(ids, params)] == [0] * 6
+    # the warm-up did run, with the prefix cache on: its own prompts are cached
+    again = llm.generate(warmup_prompts(wl)[:1], params)
+    assert again[0].num_cached_tokens == 32
