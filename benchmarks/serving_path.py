@@ -67,21 +67,12 @@ WARMUP_REQUESTS = 8
 ENGINE_TIMEOUT_S = 900.0  # an `engines` process that sends nothing this long has hung
 
 
-def prompts(n: int, length: int, vocab: int, seed: int | str) -> list[list[int]]:
+def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     """Deterministic token-id prompts, all distinct (no prefix-cache hits between them)."""
     import random
 
     rng = random.Random(seed)
     return [[rng.randrange(10, vocab) for _ in range(length)] for _ in range(n)]
-
-
-def warmup_prompts(wl: dict) -> list[list[int]]:
-    """The warm-up's prompts, of the workload's length but none of its prompts: a measured
-    prompt sent in the warm-up would find its blocks in the prefix cache. (A string seed
-    draws from a stream no `--seed` gives.)"""
-    from fairbatch.engine.tokenizer import Tokenizer
-
-    return prompts(WARMUP_REQUESTS, wl["prompt_len"], Tokenizer.tiny().vocab_size, "warm-up")
 
 
 # ---- CPU per process role -----------------------------------------------------------------------
@@ -287,20 +278,33 @@ def measure(label: str, fn, wl: dict, roles: dict[int, str] | None = None) -> di
     return row
 
 
-def _tiny_engine(seats: int, wl: dict, model: str = "tiny") -> tuple[Any, Any]:
-    """The tiny model (or `model`) with `seats` seats, warmed up on `warmup_prompts`, and the
+def engine_settings(wl: dict, seats: int) -> dict:
+    """The engine settings of every path: `seats` seats, the workload's KV blocks, and no
+    prefix caching. The paths send the same prompts to one server in turn (warm-up, then
+    serve_http and handle on one app), so a cache would serve the later sends."""
+    return {
+        "max_num_seqs": seats,
+        "num_gpu_blocks": wl["num_gpu_blocks"],
+        "enable_prefix_caching": False,
+    }
+
+
+def _tiny_engine(
+    seats: int, wl: dict, warm_on: list[list[int]], model: str = "tiny"
+) -> tuple[Any, Any]:
+    """The tiny model (or `model`) with `seats` seats, warmed up on a few prompts, and the
     workload's sampling parameters (greedy, `output_len` tokens, `ignore_eos`)."""
     from fairbatch.engine import LLM, SamplingParams
 
-    llm = LLM(model, max_num_seqs=seats, num_gpu_blocks=wl["num_gpu_blocks"])
+    llm = LLM(model, **engine_settings(wl, seats))
     warm = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    llm.generate(warmup_prompts(wl), warm, use_tqdm=False)
+    llm.generate(warm_on[:WARMUP_REQUESTS], warm, use_tqdm=False)
     params = SamplingParams(max_tokens=wl["output_len"], temperature=0.0, ignore_eos=True)
     return llm, params
 
 
 def offline_run(ids: list[list[int]], wl: dict, seats: int) -> dict:
-    llm, params = _tiny_engine(seats, wl, wl["model"])
+    llm, params = _tiny_engine(seats, wl, ids, wl["model"])
 
     def go():
         t0 = time.perf_counter()
@@ -320,7 +324,7 @@ def _engine_process(seats: int, wl: dict, share: list[list[int]], conn: Any) -> 
     import torch
 
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // wl["replicas"]))
-    llm, params = _tiny_engine(seats, wl)
+    llm, params = _tiny_engine(seats, wl, share)
     conn.send("ready")
     conn.recv()  # go
     outs = llm.generate(share, params, use_tqdm=False)
@@ -411,10 +415,7 @@ def sim_offline_run(ids: list[list[int]], wl: dict) -> dict:
     from fairbatch.engine.tokenizer import Tokenizer
 
     cfg = ReplicaConfig(
-        engine="sim",
-        max_num_seqs=wl["seats"],
-        num_gpu_blocks=wl["num_gpu_blocks"],
-        sim_vocab=Tokenizer.tiny().vocab_size,
+        engine="sim", sim_vocab=Tokenizer.tiny().vocab_size, **engine_settings(wl, wl["seats"])
     )
     core = build_core(cfg)
     params = SamplingParams(max_tokens=wl["output_len"], temperature=0.0, ignore_eos=True)
@@ -444,12 +445,15 @@ def sim_offline_run(ids: list[list[int]], wl: dict) -> dict:
 def local_http_run(ids: list[list[int]], wl: dict, seats: int) -> dict:
     from fairbatch.benchmarks.serve_server import LocalServer
 
-    engine = {"max_num_seqs": seats, "num_gpu_blocks": wl["num_gpu_blocks"]}
-    config = {"model": "tiny", "engine": engine, "stream_interval_ms": wl["intervals"][0]}
+    config = {
+        "model": "tiny",
+        "engine": engine_settings(wl, seats),
+        "stream_interval_ms": wl["intervals"][0],
+    }
     server = LocalServer(config)
     with server as url:
         model = "fairbatch-tiny"
-        asyncio.run(http_run(url, model, warmup_prompts(wl), wl, 8))
+        asyncio.run(http_run(url, model, ids[:WARMUP_REQUESTS], wl, 8))
         fn = functools.partial(_sync, http_run, url, model, ids, wl, wl["output_len"])
         return measure("local_http", fn, wl, roles={server.proc.pid: "server"})
 
@@ -489,10 +493,7 @@ def _serve_paths(loop: _Loop, ids: list[list[int]], wl: dict, paths: list[str], 
     serve.start(http_options={"host": "127.0.0.1", "port": proxy_port})
     model_dir = wl["model"] not in ("tiny", "sim")
     for interval in wl["intervals"]:
-        engine: dict[str, Any] = {
-            "max_num_seqs": wl["seats"],
-            "num_gpu_blocks": wl["num_gpu_blocks"],
-        }
+        engine = engine_settings(wl, wl["seats"])
         if wl["model"] == "sim":
             engine["time_scale"] = wl["time_scale"]
         args = {
@@ -507,11 +508,11 @@ def _serve_paths(loop: _Loop, ids: list[list[int]], wl: dict, paths: list[str], 
         url = ingress_url(APP_NAME, f"http://127.0.0.1:{proxy_port}")
         model = "bench" if model_dir else f"fairbatch-{wl['model']}"
         if "serve_http" in paths:
-            loop.run(http_run(url, model, warmup_prompts(wl), wl, 8))
+            loop.run(http_run(url, model, ids[:WARMUP_REQUESTS], wl, 8))
             run = functools.partial(loop.run, http_run(url, model, ids, wl, n_out))
             rows.append(measure(f"serve_http@{interval:g}ms", run, wl))
         if "handle" in paths:
-            loop.run(handle_run(handle, warmup_prompts(wl), wl, 8))
+            loop.run(handle_run(handle, ids[:WARMUP_REQUESTS], wl, 8))
             run = functools.partial(loop.run, handle_run(handle, ids, wl, n_out))
             rows.append(measure(f"handle@{interval:g}ms", run, wl))
     return rows

@@ -18,7 +18,6 @@ from fairbatch.benchmarks.serving_path import (
     engine_processes,
     engines_run,
     prompts,
-    warmup_prompts,
 )
 from fairbatch.engine import LLM, SamplingParams
 from fairbatch.engine.tokenizer import Tokenizer
@@ -101,12 +100,11 @@ def test_preemptions_count_every_thread_not_only_the_main_one():
         target.wait()
 
 
-def test_the_warmup_leaves_no_measured_prompt_in_the_prefix_cache():
-    # 40-token prompts fill two 16-token blocks, which a warm-up on them would leave cached
+def test_a_path_computes_every_prompt_it_is_sent_again():
+    # The paths send the same prompts to one server in turn (warm-up, then each path): with a
+    # prefix cache the later sends would skip their prompts' full blocks (40 tokens: two).
     wl = {**WL, "prompt_len": 40}
-    llm, params = _tiny_engine(WL["seats"], wl)
-    ids = prompts(6, wl["prompt_len"], Tokenizer.tiny().vocab_size, 0)
-    assert [o.num_cached_tokens for o in llm.generate(ids, params)] == [0] * 6
-    # the warm-up did run, with the prefix cache on: its own prompts are cached
-    again = llm.generate(warmup_prompts(wl)[:1], params)
-    assert again[0].num_cached_tokens == 32
+    ids = prompts(4, wl["prompt_len"], Tokenizer.tiny().vocab_size, 0)
+    llm, params = _tiny_engine(WL["seats"], wl, ids)  # warmed up on these very prompts
+    assert [o.num_cached_tokens for o in llm.generate(ids, params)] == [0] * 4
+    assert [o.num_cached_tokens for o in llm.generate(ids, params)] == [0] * 4
