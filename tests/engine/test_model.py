@@ -256,6 +256,41 @@ def test_metadata_build_slots_and_positions() -> None:
         AttentionMetadata.build([1], [9], [[0, 1]], block_size=4)
 
 
+@pytest.mark.parametrize("seed", range(20))
+def test_host_inputs_match_a_per_token_reference(seed: int) -> None:
+    """Random steps of prompt chunks and decodes, tables with blocks allocated ahead, padded to
+    their own width or to a graph's wider one: every input equals its per-token definition."""
+    rng = random.Random(seed)
+    bs = rng.choice([1, 4, 16])
+    num_seqs = rng.randrange(0, 12)
+    q_lens = [rng.choice([1, 1, rng.randrange(1, 40)]) for _ in range(num_seqs)]
+    lens = [q + rng.randrange(0, 100) for q in q_lens]
+    tables = [
+        rng.sample(range(10_000), -(-n // bs) + rng.randrange(0, 3)) for n in lens
+    ]  # fmt: skip
+    need = max(map(len, tables), default=0) or 1
+    width = rng.choice([None, need, need + rng.randrange(1, 500)])
+    host = AttentionMetadata.host_inputs(q_lens, lens, tables, bs, width)
+    positions = [n - q + i for q, n in zip(q_lens, lens) for i in range(q)]
+    rows = [s for s, q in enumerate(q_lens) for _ in range(q)]
+    slots = [tables[s][p // bs] * bs + p % bs for s, p in zip(rows, positions)]
+    cols = width or need
+    assert host["positions"].tolist() == positions
+    assert host["slot_mapping"].tolist() == slots
+    assert host["query_start_loc"].tolist() == [sum(q_lens[:i]) for i in range(num_seqs + 1)]
+    assert host["seq_lens"].tolist() == lens
+    assert host["block_tables"].tolist() == [t + [0] * (cols - len(t)) for t in tables]
+    assert host["block_tables"].shape == (num_seqs, cols)
+    assert host["positions"].dtype == host["slot_mapping"].dtype == torch.int64
+    for key in ("query_start_loc", "seq_lens", "block_tables"):
+        assert host[key].dtype == torch.int32
+
+
+def test_host_inputs_refuse_a_table_wider_than_the_width() -> None:
+    with pytest.raises(ValueError, match="sequence 1: 3 blocks do not fit a table 2 wide"):
+        AttentionMetadata.host_inputs([1, 1], [4, 9], [[5], [6, 7, 8]], 4, width=2)
+
+
 def test_backend_registry() -> None:
     assert isinstance(get_attn_backend(None, "cpu"), TorchAttentionBackend)
     with pytest.raises(ValueError, match="unknown attention backend"):
