@@ -26,6 +26,13 @@ def _bench_scheduler(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_inputs(args: argparse.Namespace) -> int:
+    from fairbatch.benchmarks import step_inputs_bench
+
+    step_inputs_bench.main(args.json, context=args.context, reps=args.reps)
+    return 0
+
+
 def _bench_engine(args: argparse.Namespace) -> int:
     if args.structured:  # the grammar masks' step-time cost instead
         from fairbatch.benchmarks import structured_bench
@@ -367,6 +374,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--rounds", type=int, default=3, help="runs per policy, interleaved; medians reported"
     )
     sched.set_defaults(func=_bench_scheduler)
+    inp = bench_sub.add_parser(
+        "inputs", help="host time of a decode step's inputs on the CUDA-graph path"
+    )
+    inp.add_argument("--json", help="write results to this JSON file")
+    inp.add_argument(
+        "--context", type=_positive(int), default=1024, help="mean tokens per sequence"
+    )
+    inp.add_argument("--reps", type=_positive(int), default=200, help="steps timed per case")
+    inp.set_defaults(func=_bench_inputs)
     eng = bench_sub.add_parser(
         "engine", help="fairbatch vs transformers, or vs vLLM (--peer vllm), tokens/s"
     )
