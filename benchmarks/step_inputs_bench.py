@@ -2,11 +2,12 @@
 
 A decode step replayed from a CUDA graph needs its inputs in the graph's static buffer: token
 ids, positions, slots, query starts, lengths, and block tables as wide as one max_model_len
-sequence. The runner builds them on the host (`pad_decode_rows`, `AttentionMetadata.host_inputs`)
+sequence. The runner builds them on the host (each table an array kept across steps, `BlockRows`;
+`pad_decode_rows`, `AttentionMetadata.host_inputs`)
 and packs them into one pinned buffer (`Staging.upload`), whose copy to the device then runs
 without the host. Build and pack are host work every decode step pays before the GPU can start;
 this measures them (packing into pageable memory) for batch sizes and context limits of real
-models, with each sequence `context` tokens long on average.
+models, with sequences of ~1K and ~16K tokens on average (at most max_model_len).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import time
 
 BATCHES = (1, 8, 32, 128, 256)
 MAX_MODEL_LENS = (8192, 32768, 131072)  # Llama-3-8B, Qwen2.5-0.5B, Llama-3.2-1B
+CONTEXTS = (1024, 16384)  # mean tokens a sequence
 
 
 def time_inputs(batch: int, max_model_len: int, context: int, block_size: int, reps: int) -> dict:
@@ -25,19 +27,21 @@ def time_inputs(batch: int, max_model_len: int, context: int, block_size: int, r
 
     from fairbatch.engine.attention import AttentionMetadata
     from fairbatch.engine.cuda_graphs import graph_batch_sizes, pad_decode_rows, padded_batch_size
-    from fairbatch.engine.staging import host_ints
+    from fairbatch.engine.staging import BlockRows, host_ints
 
     rng = random.Random(batch * 7919 + max_model_len)
-    lens = [rng.randint(context // 2, context * 3 // 2) for _ in range(batch)]
+    lens = [min(rng.randint(context // 2, context * 3 // 2), max_model_len) for _ in range(batch)]
     tables = [rng.sample(range(1 << 20), -(-n // block_size)) for n in lens]
     ids = [rng.randrange(32000) for _ in range(batch)]
     width = -(-max_model_len // block_size)
     padded = padded_batch_size(batch, graph_batch_sizes(batch))
+    rows = BlockRows()
     buf = torch.empty(0, dtype=torch.int32)  # the pack's buffer, reused as the runner's is
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        row_ids, row_lens, row_tables = pad_decode_rows(ids, lens, tables, padded, 0)
+        step_tables = [rows.row(str(i), t) for i, t in enumerate(tables)]
+        row_ids, row_lens, row_tables = pad_decode_rows(ids, lens, step_tables, padded, 0)
         host = AttentionMetadata.host_inputs([1] * padded, row_lens, row_tables, block_size, width)
         host["ids"] = host_ints(row_ids)
         arrays = [a.reshape(-1).to(torch.int32) for a in host.values()]
@@ -59,18 +63,23 @@ def time_inputs(batch: int, max_model_len: int, context: int, block_size: int, r
 
 
 def main(
-    json_path: str | None = None, context: int = 1024, block_size: int = 16, reps: int = 200
+    json_path: str | None = None,
+    contexts: tuple[int, ...] = CONTEXTS,
+    block_size: int = 16,
+    reps: int = 200,
 ) -> list[dict]:
     rows = []
-    print(f"decode-step inputs on the CUDA-graph path, contexts ~{context} tokens, ms median/p99")
-    for max_model_len in MAX_MODEL_LENS:
-        for batch in BATCHES:
-            row = time_inputs(batch, max_model_len, context, block_size, reps)
-            rows.append(row)
-            print(
-                f"max_model_len {max_model_len:>6} (width {row['table_width']:>4}) "
-                f"batch {batch:>3}: {row['inputs_ms_median']:.3f} / {row['inputs_ms_p99']:.3f}"
-            )
+    print("decode-step inputs on the CUDA-graph path, ms median / p99")
+    for context in contexts:
+        for max_model_len in MAX_MODEL_LENS:
+            for batch in BATCHES:
+                row = time_inputs(batch, max_model_len, context, block_size, reps)
+                rows.append(row)
+                print(
+                    f"contexts ~{context:>6} max_model_len {max_model_len:>6} "
+                    f"(width {row['table_width']:>4}) batch {batch:>3}: "
+                    f"{row['inputs_ms_median']:.3f} / {row['inputs_ms_p99']:.3f}"
+                )
     if json_path:
         with open(json_path, "w") as f:
             json.dump(rows, f, indent=1)

@@ -29,7 +29,7 @@ def _bench_scheduler(args: argparse.Namespace) -> int:
 def _bench_inputs(args: argparse.Namespace) -> int:
     from fairbatch.benchmarks import step_inputs_bench
 
-    step_inputs_bench.main(args.json, context=args.context, reps=args.reps)
+    step_inputs_bench.main(args.json, contexts=tuple(args.contexts), reps=args.reps)
     return 0
 
 
@@ -379,7 +379,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     inp.add_argument("--json", help="write results to this JSON file")
     inp.add_argument(
-        "--context", type=_positive(int), default=1024, help="mean tokens per sequence"
+        "--contexts",
+        type=_positive(int),
+        nargs="+",
+        default=[1024, 16384],
+        help="mean tokens a sequence, one run each (default 1024 16384)",
     )
     inp.add_argument("--reps", type=_positive(int), default=200, help="steps timed per case")
     inp.set_defaults(func=_bench_inputs)

@@ -29,7 +29,7 @@ from fairbatch.engine.cuda_graphs import (
 from fairbatch.engine.model import LlamaForCausalLM
 from fairbatch.engine.sampler import Sampler
 from fairbatch.engine.sampling_params import SamplingParams
-from fairbatch.engine.staging import Staging, host_ints, read_to_host
+from fairbatch.engine.staging import BlockRows, Staging, host_ints, read_to_host
 from fairbatch.kv.cache_engine import CacheEngine
 from fairbatch.scheduler.output import RunnerOutput, SchedulerOutput
 
@@ -78,6 +78,7 @@ class ModelRunner:
         self.staging = Staging(self.device) if stage_inputs else None
         self.graphs: DecodeGraphs | None = None
         self.num_graph_steps = 0
+        self.block_rows = BlockRows()  # the requests' block tables as arrays, kept across steps
         self._timers: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # not yet read
         # LoRA adapters (engine/lora.py's attach_lora): the step's slot per token goes here
         self.lora = None
@@ -119,7 +120,7 @@ class ModelRunner:
         input_ids: list[int] = []
         query_lens: list[int] = []
         seq_lens: list[int] = []
-        tables: list[list[int]] = []
+        tables: list[Sequence[int]] = []  # int32 arrays (BlockRows)
         sample_rows: list[int] = []  # token index (in the flat batch) of each sampling request
         sample_reqs = []
         scored: list[tuple] = []  # (request, first position, first row, rows) for prompt logprobs
@@ -130,7 +131,7 @@ class ModelRunner:
             input_ids.extend(req.all_token_ids[start : start + n])
             query_lens.append(n)
             seq_lens.append(start + n)
-            tables.append(out.block_tables[req.request_id])
+            tables.append(self.block_rows.row(req.request_id, out.block_tables[req.request_id]))
             if start + n == len(req.all_token_ids):
                 sample_rows.append(len(input_ids) - 1)
                 sample_reqs.append(req)
@@ -142,6 +143,7 @@ class ModelRunner:
                 if end > start:
                     scored.append((req, start, first_row, end - start))
 
+        self.block_rows.prune(out.block_tables)
         # Rows strictly increase, so they are 0, 1, ... exactly when the last is len - 1.
         in_order = not sample_rows or sample_rows[-1] == len(sample_rows) - 1
         extra = [] if in_order else [torch.tensor(sample_rows)]

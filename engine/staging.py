@@ -7,7 +7,9 @@ tensors arrive as int32, float32 ones as float32 (their bits travel unchanged). 
 the copy lands in a buffer the caller owns (the CUDA graphs' static inputs): views of the same
 shapes then always sit at the same addresses.
 
-`host_ints` makes the step's small CPU integer tensors from Python lists (fast).
+`host_ints` makes the step's small CPU integer tensors from Python lists (fast); `BlockRows`
+keeps each request's block table as an int32 array across steps, so a step copies its tables
+in C (long contexts hold thousands of blocks a sequence).
 
 `read_to_host` is the other direction: the values of several device tensors as Python lists,
 with one wait for the device however many tensors there are (a step's sampled tokens, its
@@ -19,6 +21,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Iterable
 
+import numpy as np
 import torch
 
 _TYPECODES = {torch.int64: "q", torch.int32: "i"}
@@ -30,6 +33,42 @@ def host_ints(values: Iterable[int], dtype: torch.dtype = torch.int64) -> torch.
     of the host time a step plan takes on CPU; an array is one C loop and shares its memory."""
     values = array(_TYPECODES[dtype], values)
     return torch.frombuffer(values, dtype=dtype) if values else torch.empty(0, dtype=dtype)
+
+
+class BlockRows:
+    """Each request's block table as an int32 array, grown by the blocks added since the last
+    step instead of converted again from the KV manager's list of Python ints.
+
+    Relies on the KV manager's contract: a live table only grows (appends), and a table that is
+    rebuilt (freed, swapped in, forked) is a new list. A row is keyed by the list it copies;
+    another list under the same request is copied anew."""
+
+    def __init__(self) -> None:
+        self._rows: dict[str, tuple[list[int], np.ndarray, int]] = {}  # id -> table, copy, len
+
+    def row(self, request_id: str, table: list[int]) -> np.ndarray:
+        """`table` as an int32 array (a view: valid until the next call for this request)."""
+        n = len(table)
+        entry = self._rows.get(request_id)
+        if entry is not None and entry[0] is table and entry[2] <= n:
+            _, buf, have = entry
+            if n > buf.shape[0]:
+                buf = np.concatenate((buf[:have], np.empty(max(n, 2 * have) - have, np.int32)))
+        else:
+            buf, have = np.empty(max(n, 16), np.int32), 0
+        if n > have:
+            buf[have:n] = table[have:n]
+        self._rows[request_id] = (table, buf, n)
+        return buf[:n]
+
+    def prune(self, live: dict[str, list[int]]) -> None:
+        """Forget the rows of requests whose table in `live` (the KV manager's tables) is gone
+        or rebuilt; only once they outnumber the live ones, so the cost is amortised."""
+        if len(self._rows) > 2 * len(live) + 64:
+            self._rows = {k: e for k, e in self._rows.items() if live.get(k) is e[0]}
+
+    def __len__(self) -> int:
+        return len(self._rows)
 
 
 class Staging:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from itertools import chain
 from typing import Any, ClassVar
 
 import numpy as np
@@ -52,9 +51,10 @@ class AttentionMetadata:
         `[num_tokens]`), `query_start_loc`, `seq_lens` and `block_tables` (int32; the tables
         padded with 0 to `width` columns, by default the longest table's).
 
-        Built with numpy, whose calls cost a fraction of torch's on small arrays; the cost
-        follows the blocks the tables hold, not `width` (a CUDA graph's tables are as wide as a
-        max_model_len sequence, 2,048 columns for a 32K context, mostly zeros)."""
+        Built with numpy, whose calls cost a fraction of torch's on small arrays. The tables may
+        be lists or int32 arrays (the runner's `BlockRows`: copied in C, not element by
+        element); the cost follows the blocks they hold, not `width` (a CUDA graph's tables
+        are as wide as a max_model_len sequence, 2,048 columns for a 32K context)."""
         num_seqs = len(seq_lens)
         q = np.fromiter(query_lens, np.int64, num_seqs)
         lens = np.fromiter(seq_lens, np.int64, num_seqs)
@@ -65,10 +65,9 @@ class AttentionMetadata:
             if n > width:
                 raise ValueError(f"sequence {s}: {n} blocks do not fit a table {width} wide")
             raise ValueError(f"sequence {s}: {n} blocks of {block_size} cannot hold {lens[s]}")
-        # Row s's first counts[s] entries are its blocks, in order (a row-major masked store).
         tables = np.zeros((num_seqs, width), np.int32)
-        ids = np.fromiter(chain.from_iterable(block_tables), np.int32, int(counts.sum()))
-        tables[np.arange(width) < counts[:, None]] = ids
+        for s, table in enumerate(block_tables):  # (a C copy each for the runner's arrays)
+            tables[s, : len(table)] = table
         starts = np.zeros(num_seqs + 1, np.int64)
         np.cumsum(q, out=starts[1:])
         seq_of_token = np.repeat(np.arange(num_seqs), q)  # [num_tokens]

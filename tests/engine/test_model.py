@@ -21,6 +21,7 @@ from fairbatch.engine.attention import (
 from fairbatch.engine.config import ModelConfig
 from fairbatch.engine.loader import load_hf_model
 from fairbatch.engine.model import LlamaForCausalLM, rope_inv_freq
+from fairbatch.engine.staging import BlockRows
 
 CKPTS = ["llama_ckpt", "llama3_ckpt", "qwen2_ckpt", "mistral_ckpt"]
 VOCAB = 512
@@ -258,8 +259,9 @@ def test_metadata_build_slots_and_positions() -> None:
 
 @pytest.mark.parametrize("seed", range(20))
 def test_host_inputs_match_a_per_token_reference(seed: int) -> None:
-    """Random steps of prompt chunks and decodes, tables with blocks allocated ahead, padded to
-    their own width or to a graph's wider one: every input equals its per-token definition."""
+    """Random steps of prompt chunks and decodes, tables (lists, or the runner's arrays) with
+    blocks allocated ahead, padded to their own width or to a graph's wider one: every input
+    equals its per-token definition."""
     rng = random.Random(seed)
     bs = rng.choice([1, 4, 16])
     num_seqs = rng.randrange(0, 12)
@@ -270,7 +272,9 @@ def test_host_inputs_match_a_per_token_reference(seed: int) -> None:
     ]  # fmt: skip
     need = max(map(len, tables), default=0) or 1
     width = rng.choice([None, need, need + rng.randrange(1, 500)])
-    host = AttentionMetadata.host_inputs(q_lens, lens, tables, bs, width)
+    rows = BlockRows()  # the runner passes int32 arrays; lists work alike
+    given = [rows.row(str(s), t) if seed % 2 else t for s, t in enumerate(tables)]
+    host = AttentionMetadata.host_inputs(q_lens, lens, given, bs, width)
     positions = [n - q + i for q, n in zip(q_lens, lens) for i in range(q)]
     rows = [s for s, q in enumerate(q_lens) for _ in range(q)]
     slots = [tables[s][p // bs] * bs + p % bs for s, p in zip(rows, positions)]
@@ -440,3 +444,37 @@ def test_torch_backend_cache_is_head_major_inside_a_block() -> None:
             assert torch.equal(cache[0, 2, h, t], key[t, h])
             assert torch.equal(cache[1, 2, h, t], -key[t, h])
     assert cache[:, [0, 1, 3, 4]].abs().sum() == 0 and cache[:, 2, :, 3].abs().sum() == 0
+
+
+def test_block_rows_follow_a_growing_table_and_copy_a_rebuilt_one() -> None:
+    rows = BlockRows()
+    table = [7, 3]
+    assert rows.row("a", table).tolist() == [7, 3]
+    table += [9, *range(100, 140)]  # grows in place, past the first buffer
+    assert rows.row("a", table).tolist() == table
+    table.append(5)
+    assert rows.row("a", table).tolist() == table
+    # rebuilt (swapped in, re-admitted): a new list, even of the same length, is copied anew
+    rebuilt = [1] * len(table)
+    assert rows.row("a", rebuilt).tolist() == rebuilt
+    assert rows.row("a", []).tolist() == []
+    assert rows.row("b", [4]).tolist() == [4] and rows.row("a", rebuilt).tolist() == rebuilt
+
+
+def test_block_rows_forget_tables_that_are_gone_or_rebuilt() -> None:
+    rows = BlockRows()
+    live = {f"r{i}": [i] for i in range(300)}
+    for rid, table in live.items():
+        rows.row(rid, table)
+    rows.prune(live)
+    assert len(rows) == 300  # all live: none dropped
+    for i in range(250):
+        del live[f"r{i}"]  # finished
+    live["r250"] = [1, 2]  # rebuilt
+    rows.prune(live)
+    assert len(rows) == 49  # r251 .. r299
+    assert rows.row("r250", live["r250"]).tolist() == [1, 2]
+    for i in range(40):
+        del live[f"r{251 + i}"]
+    rows.prune(live)  # 50 rows for 10 live: not yet worth a pass (amortised)
+    assert len(rows) == 50

@@ -45,12 +45,13 @@ def test_json_has_the_documented_fields(tmp_path) -> None:
 
 def test_the_inputs_bench_times_every_batch_at_every_context_limit(tmp_path) -> None:
     out = tmp_path / "i.json"
-    argv = ["bench", "inputs", "--reps", "3", "--context", "64", "--json", str(out)]
+    argv = ["bench", "inputs", "--reps", "3", "--contexts", "64", "128", "--json", str(out)]
     assert cli.main(argv) == 0
     rows = json.loads(out.read_text())
-    cases = [(r["max_model_len"], r["batch"]) for r in rows]
-    assert cases == [(n, b) for n in (8192, 32768, 131072) for b in (1, 8, 32, 128, 256)]
+    cases = [(r["context_mean"], r["max_model_len"], r["batch"]) for r in rows]
+    lens, batches = (8192, 32768, 131072), (1, 8, 32, 128, 256)
+    assert cases == [(c, n, b) for c in (64, 128) for n in lens for b in batches]
     for r in rows:
-        assert r["table_width"] == r["max_model_len"] // 16 and r["context_mean"] == 64
+        assert r["table_width"] == r["max_model_len"] // 16
         assert 0 < r["inputs_ms_median"] <= r["inputs_ms_p99"]
         assert abs(r["share_of_10ms_step"] - r["inputs_ms_median"] / 10) <= 1e-4
