@@ -458,3 +458,6 @@ class EngineCore:
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+        rows = getattr(self.runner, "block_rows", None)  # (a simulated runner keeps none)
+        if rows is not None:
+            rows.check(self.scheduler.kv.req_block_ids)

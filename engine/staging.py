@@ -67,6 +67,12 @@ class BlockRows:
         if len(self._rows) > 2 * len(live) + 64:
             self._rows = {k: e for k, e in self._rows.items() if live.get(k) is e[0]}
 
+    def check(self, live: dict[str, list[int]]) -> None:
+        """Every kept row of a live table holds that table's blocks (the contract above)."""
+        for k, (table, buf, n) in self._rows.items():
+            if live.get(k) is table:
+                assert buf[:n].tolist() == table[:n], f"{k}: block row differs from its table"
+
     def __len__(self) -> int:
         return len(self._rows)
 

@@ -459,6 +459,10 @@ def test_block_rows_follow_a_growing_table_and_copy_a_rebuilt_one() -> None:
     assert rows.row("a", rebuilt).tolist() == rebuilt
     assert rows.row("a", []).tolist() == []
     assert rows.row("b", [4]).tolist() == [4] and rows.row("a", rebuilt).tolist() == rebuilt
+    rows.check({"a": rebuilt, "b": [4]})  # ("b": another list than the one kept: not checked)
+    rebuilt[0] = 2  # changed in place, against the KV manager's contract: the check finds it
+    with pytest.raises(AssertionError, match="a: block row differs"):
+        rows.check({"a": rebuilt})
 
 
 def test_block_rows_forget_tables_that_are_gone_or_rebuilt() -> None:
