@@ -60,11 +60,13 @@ class AttentionMetadata:
         lens = np.fromiter(seq_lens, np.int64, num_seqs)
         counts = np.fromiter(map(len, block_tables), np.int64, num_seqs)
         width = width or int(counts.max(initial=0)) or 1
-        for s in np.flatnonzero((counts * block_size < lens) | (counts > width)).tolist()[:1]:
-            n = int(counts[s])
+        bad = np.flatnonzero((counts * block_size < lens) | (counts > width))
+        if bad.size:  # the first sequence whose table cannot serve it
+            s = int(bad[0])
+            n, need = int(counts[s]), int(lens[s])
             if n > width:
                 raise ValueError(f"sequence {s}: {n} blocks do not fit a table {width} wide")
-            raise ValueError(f"sequence {s}: {n} blocks of {block_size} cannot hold {lens[s]}")
+            raise ValueError(f"sequence {s}: {n} blocks of {block_size} cannot hold {need}")
         tables = np.zeros((num_seqs, width), np.int32)
         for s, table in enumerate(block_tables):  # (a C copy each for the runner's arrays)
             tables[s, : len(table)] = table
