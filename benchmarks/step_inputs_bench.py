@@ -2,7 +2,7 @@
 
 A decode step replayed from a CUDA graph needs its inputs in the graph's static buffer: token
 ids, positions, slots, query starts, lengths, and block tables as wide as one max_model_len
-sequence. The runner builds them on the host (each table an array kept across steps, `BlockRows`;
+sequence. The runner builds them on the host (each table an array kept across steps, `IntRows`;
 `pad_decode_rows`, `AttentionMetadata.host_inputs`)
 and packs them into one pinned buffer (`Staging.upload`), whose copy to the device then runs
 without the host. Build and pack are host work every decode step pays before the GPU can start;
@@ -27,7 +27,7 @@ def time_inputs(batch: int, max_model_len: int, context: int, block_size: int, r
 
     from fairbatch.engine.attention import AttentionMetadata
     from fairbatch.engine.cuda_graphs import graph_batch_sizes, pad_decode_rows, padded_batch_size
-    from fairbatch.engine.staging import BlockRows, host_ints
+    from fairbatch.engine.staging import IntRows, host_ints
 
     rng = random.Random(batch * 7919 + max_model_len)
     lens = [min(rng.randint(context // 2, context * 3 // 2), max_model_len) for _ in range(batch)]
@@ -35,7 +35,7 @@ def time_inputs(batch: int, max_model_len: int, context: int, block_size: int, r
     ids = [rng.randrange(32000) for _ in range(batch)]
     width = -(-max_model_len // block_size)
     padded = padded_batch_size(batch, graph_batch_sizes(batch))
-    rows = BlockRows()
+    rows = IntRows()
     buf = torch.empty(0, dtype=torch.int32)  # the pack's buffer, reused as the runner's is
     times = []
     for _ in range(reps):

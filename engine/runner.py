@@ -29,7 +29,7 @@ from fairbatch.engine.cuda_graphs import (
 from fairbatch.engine.model import LlamaForCausalLM
 from fairbatch.engine.sampler import Sampler
 from fairbatch.engine.sampling_params import SamplingParams
-from fairbatch.engine.staging import BlockRows, Staging, host_ints, read_to_host
+from fairbatch.engine.staging import IntRows, Staging, host_ints, read_to_host
 from fairbatch.kv.cache_engine import CacheEngine
 from fairbatch.scheduler.output import RunnerOutput, SchedulerOutput
 
@@ -78,7 +78,7 @@ class ModelRunner:
         self.staging = Staging(self.device) if stage_inputs else None
         self.graphs: DecodeGraphs | None = None
         self.num_graph_steps = 0
-        self.block_rows = BlockRows()  # the requests' block tables as arrays, kept across steps
+        self.block_rows = IntRows()  # the requests' block tables as arrays, kept across steps
         self._timers: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # not yet read
         # LoRA adapters (engine/lora.py's attach_lora): the step's slot per token goes here
         self.lora = None
@@ -120,7 +120,7 @@ class ModelRunner:
         input_ids: list[int] = []
         query_lens: list[int] = []
         seq_lens: list[int] = []
-        tables: list[Sequence[int]] = []  # int32 arrays (BlockRows)
+        tables: list[Sequence[int]] = []  # int32 arrays (IntRows)
         sample_rows: list[int] = []  # token index (in the flat batch) of each sampling request
         sample_reqs = []
         scored: list[tuple] = []  # (request, first position, first row, rows) for prompt logprobs

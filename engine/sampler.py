@@ -44,10 +44,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from fairbatch.engine.sampling_params import SamplingParams, derive_seed
-from fairbatch.engine.staging import Staging, read_to_host
+from fairbatch.engine.staging import IntRows, Staging, read_to_host
 
 
 @dataclass
@@ -105,6 +106,7 @@ class Sampler:
         # so reuse is equivalent to make_generator() without an allocation per row and step.
         self._scratch: dict[torch.device, torch.Generator] = {}
         self.staging: Staging | None = None  # for the logits' device, made on first use
+        self._prompts = IntRows()  # penalized rows' prompts as arrays, by the list's id
 
     def sample(
         self,
@@ -142,7 +144,7 @@ class Sampler:
         rand_params = [params[i] for i in rand_rows]
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         host = {
-            **_penalty_inputs(params, prompt_token_ids, output_token_ids, vocab),
+            **_penalty_inputs(params, prompt_token_ids, output_token_ids, vocab, self._prompts),
             **_bias_inputs(params),
             **_random_inputs(rand_rows, rand_params, num_rows, vocab),
         }
@@ -236,10 +238,13 @@ def _f32(values: list[float]) -> torch.Tensor:
 
 
 def _padded(token_lists: list[Sequence[int]], pad: int) -> torch.Tensor:
-    """`[rows, longest]` int64 token ids, short rows padded with `pad`."""
+    """`[rows, longest]` int64 token ids, short rows padded with `pad`. A row may be a list or
+    an int array (`IntRows`); either is copied into the padded array in C."""
     width = max((len(t) for t in token_lists), default=0)
-    padded = [[*t, *([pad] * (width - len(t)))] for t in token_lists]
-    return torch.tensor(padded, dtype=torch.int64).view(len(token_lists), width)
+    out = np.full((len(token_lists), width), pad, np.int64)
+    for i, tokens in enumerate(token_lists):
+        out[i, : len(tokens)] = tokens
+    return torch.from_numpy(out)
 
 
 def _penalty_inputs(
@@ -247,16 +252,23 @@ def _penalty_inputs(
     prompt_token_ids: Sequence[Sequence[int]],
     output_token_ids: Sequence[Sequence[int]],
     vocab: int,
+    prompt_rows: IntRows | None = None,
 ) -> dict[str, torch.Tensor]:
     """The rows with penalties, their prompt and output tokens (padded with the id `vocab`,
-    a column `_token_counts` drops) and their three penalties; {} when no row has any."""
+    a column `_token_counts` drops) and their three penalties; {} when no row has any.
+    `prompt_rows` keeps each prompt (a list that never changes) as an array across steps: a
+    prompt of thousands of tokens is then not converted from Python ints every step."""
     rows = [i for i, p in enumerate(params) if p.has_penalties]
     if not rows:
         return {}
+    prompts = [prompt_token_ids[i] for i in rows]
+    if prompt_rows is not None:
+        prompt_rows.prune({id(p): p for p in prompts})  # (the prompts of ended requests)
+        prompts = [prompt_rows.row(id(p), p) for p in prompts]
     return {
         "pen_rows": torch.tensor(rows),
-        "pen_prompt": _padded([prompt_token_ids[i] for i in rows], vocab),
-        "pen_output": _padded([output_token_ids[i] for i in rows], vocab),
+        "pen_prompt": _padded(prompts, vocab),
+        "pen_output": _padded([output_token_ids[i][:] for i in rows], vocab),  # (views: lists)
         "presence": _f32([params[i].presence_penalty for i in rows]),
         "frequency": _f32([params[i].frequency_penalty for i in rows]),
         "repetition": _f32([params[i].repetition_penalty for i in rows]),

@@ -7,9 +7,9 @@ tensors arrive as int32, float32 ones as float32 (their bits travel unchanged). 
 the copy lands in a buffer the caller owns (the CUDA graphs' static inputs): views of the same
 shapes then always sit at the same addresses.
 
-`host_ints` makes the step's small CPU integer tensors from Python lists (fast); `BlockRows`
-keeps each request's block table as an int32 array across steps, so a step copies its tables
-in C (long contexts hold thousands of blocks a sequence).
+`host_ints` makes the step's small CPU integer tensors from Python lists (fast); `IntRows`
+keeps lists that only grow (block tables, prompts) as int32 arrays across steps, so a step
+copies them in C (a long context holds thousands of blocks, and tens of thousands of tokens).
 
 `read_to_host` is the other direction: the values of several device tensors as Python lists,
 with one wait for the device however many tensors there are (a step's sampled tokens, its
@@ -19,7 +19,7 @@ logprobs and its prompt logprobs come back together).
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 
 import numpy as np
 import torch
@@ -35,21 +35,23 @@ def host_ints(values: Iterable[int], dtype: torch.dtype = torch.int64) -> torch.
     return torch.frombuffer(values, dtype=dtype) if values else torch.empty(0, dtype=dtype)
 
 
-class BlockRows:
-    """Each request's block table as an int32 array, grown by the blocks added since the last
-    step instead of converted again from the KV manager's list of Python ints.
+class IntRows:
+    """Lists of ints that only grow (a request's block table, its prompt) as int32 arrays kept
+    across steps: each call copies only what was appended since the last one, instead of
+    converting the whole list from Python ints again.
 
-    Relies on the KV manager's contract: a live table only grows (appends), and a table that is
-    rebuilt (freed, swapped in, forked) is a new list. A row is keyed by the list it copies;
-    another list under the same request is copied anew."""
+    A row is keyed (a request id; for a list that never changes, `id(list)` does) and tied to
+    the list it copies: another list under the same key is copied anew. So the contract is the
+    KV manager's for its tables: a list only grows in place, and is replaced, never rewritten,
+    when it changes otherwise."""
 
     def __init__(self) -> None:
-        self._rows: dict[str, tuple[list[int], np.ndarray, int]] = {}  # id -> table, copy, len
+        self._rows: dict[Hashable, tuple[list[int], np.ndarray, int]] = {}  # table, copy, len
 
-    def row(self, request_id: str, table: list[int]) -> np.ndarray:
-        """`table` as an int32 array (a view: valid until the next call for this request)."""
+    def row(self, key: Hashable, table: list[int]) -> np.ndarray:
+        """`table` as an int32 array (a view of the kept copy)."""
         n = len(table)
-        entry = self._rows.get(request_id)
+        entry = self._rows.get(key)
         if entry is not None and entry[0] is table and entry[2] <= n:
             _, buf, have = entry
             if n > buf.shape[0]:
@@ -58,20 +60,21 @@ class BlockRows:
             buf, have = np.empty(max(n, 16), np.int32), 0
         if n > have:
             buf[have:n] = table[have:n]
-        self._rows[request_id] = (table, buf, n)
+        self._rows[key] = (table, buf, n)
         return buf[:n]
 
-    def prune(self, live: dict[str, list[int]]) -> None:
-        """Forget the rows of requests whose table in `live` (the KV manager's tables) is gone
-        or rebuilt; only once they outnumber the live ones, so the cost is amortised."""
+    def prune(self, live: dict[Hashable, list[int]]) -> None:
+        """Forget the rows whose key is gone from `live` (key -> its list now: the KV manager's
+        tables) or holds another list; only once they outnumber the live ones, so the cost is
+        amortised."""
         if len(self._rows) > 2 * len(live) + 64:
             self._rows = {k: e for k, e in self._rows.items() if live.get(k) is e[0]}
 
-    def check(self, live: dict[str, list[int]]) -> None:
-        """Every kept row of a live table holds that table's blocks (the contract above)."""
+    def check(self, live: dict[Hashable, list[int]]) -> None:
+        """Every kept row of a live list holds that list's values (the contract above)."""
         for k, (table, buf, n) in self._rows.items():
             if live.get(k) is table:
-                assert buf[:n].tolist() == table[:n], f"{k}: block row differs from its table"
+                assert buf[:n].tolist() == table[:n], f"{k}: kept row differs from its list"
 
     def __len__(self) -> int:
         return len(self._rows)

@@ -39,7 +39,7 @@ class KVCacheManager:
         self.num_cpu_blocks = num_cpu_blocks
         self.req_blocks: dict[str, list[KVBlock]] = {}  # request id -> its GPU blocks, in order
         # the same as ids: the live block table. It only grows in place; a table rebuilt
-        # (new, swapped in) is a new list (the runner keeps array copies by list: BlockRows)
+        # (new, swapped in) is a new list (the runner keeps array copies by list: IntRows)
         self.req_block_ids: dict[str, list[int]] = {}
         self.req_hashes: dict[str, list[bytes]] = {}  # hashes of the request's full blocks
         # ... and each of those blocks' tokens as pack_tokens() bytes (what a hit is checked

@@ -52,7 +52,7 @@ class AttentionMetadata:
         padded with 0 to `width` columns, by default the longest table's).
 
         Built with numpy, whose calls cost a fraction of torch's on small arrays. The tables may
-        be lists or int32 arrays (the runner's `BlockRows`: copied in C, not element by
+        be lists or int32 arrays (the runner's `IntRows`: copied in C, not element by
         element); the cost follows the blocks they hold, not `width` (a CUDA graph's tables
         are as wide as a max_model_len sequence, 2,048 columns for a 32K context)."""
         num_seqs = len(seq_lens)

@@ -21,7 +21,7 @@ from fairbatch.engine.attention import (
 from fairbatch.engine.config import ModelConfig
 from fairbatch.engine.loader import load_hf_model
 from fairbatch.engine.model import LlamaForCausalLM, rope_inv_freq
-from fairbatch.engine.staging import BlockRows
+from fairbatch.engine.staging import IntRows
 
 CKPTS = ["llama_ckpt", "llama3_ckpt", "qwen2_ckpt", "mistral_ckpt"]
 VOCAB = 512
@@ -272,7 +272,7 @@ def test_host_inputs_match_a_per_token_reference(seed: int) -> None:
     ]  # fmt: skip
     need = max(map(len, tables), default=0) or 1
     width = rng.choice([None, need, need + rng.randrange(1, 500)])
-    rows = BlockRows()  # the runner passes int32 arrays; lists work alike
+    rows = IntRows()  # the runner passes int32 arrays; lists work alike
     given = [rows.row(str(s), t) if seed % 2 else t for s, t in enumerate(tables)]
     host = AttentionMetadata.host_inputs(q_lens, lens, given, bs, width)
     positions = [n - q + i for q, n in zip(q_lens, lens) for i in range(q)]
@@ -447,7 +447,7 @@ def test_torch_backend_cache_is_head_major_inside_a_block() -> None:
 
 
 def test_block_rows_follow_a_growing_table_and_copy_a_rebuilt_one() -> None:
-    rows = BlockRows()
+    rows = IntRows()
     table = [7, 3]
     assert rows.row("a", table).tolist() == [7, 3]
     table += [9, *range(100, 140)]  # grows in place, past the first buffer
@@ -461,12 +461,12 @@ def test_block_rows_follow_a_growing_table_and_copy_a_rebuilt_one() -> None:
     assert rows.row("b", [4]).tolist() == [4] and rows.row("a", rebuilt).tolist() == rebuilt
     rows.check({"a": rebuilt, "b": [4]})  # ("b": another list than the one kept: not checked)
     rebuilt[0] = 2  # changed in place, against the KV manager's contract: the check finds it
-    with pytest.raises(AssertionError, match="a: block row differs"):
+    with pytest.raises(AssertionError, match="a: kept row differs"):
         rows.check({"a": rebuilt})
 
 
 def test_block_rows_forget_tables_that_are_gone_or_rebuilt() -> None:
-    rows = BlockRows()
+    rows = IntRows()
     live = {f"r{i}": [i] for i in range(300)}
     for rid, table in live.items():
         rows.row(rid, table)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 import torch
@@ -116,6 +117,33 @@ def test_penalties_match_reference_definition() -> None:
     for i, (p, f, r) in enumerate(settings):
         want = _reference_penalties(logits[i].tolist(), prompts[i], outputs[i], p, f, r)
         assert got[i].tolist() == pytest.approx(want, rel=1e-6, abs=1e-6)
+
+
+def test_penalty_inputs_from_kept_prompt_rows_equal_the_lists() -> None:
+    """The sampler keeps penalized prompts as arrays across steps (`IntRows`, by the list's
+    id): over steps with growing outputs, a request that ends and new ones, the staged inputs
+    equal those made from the lists, and the kept prompts stay bounded."""
+    from fairbatch.engine.sampler import _penalty_inputs
+    from fairbatch.engine.staging import IntRows
+
+    rng = random.Random(3)
+    vocab, kept = 50, IntRows()
+    params = [SamplingParams(temperature=0, repetition_penalty=1.3, presence_penalty=0.2)] * 4
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randrange(1, 40))] for _ in range(4)]
+    outputs = [[] for _ in range(4)]
+    for step in range(300):
+        if step % 3 == 0:  # one request ends, a new one takes its row
+            i = rng.randrange(4)
+            prompts[i] = [rng.randrange(vocab) for _ in range(rng.randrange(1, 40))]
+            outputs[i] = []
+        for out in outputs:
+            out.append(rng.randrange(vocab))
+        want = _penalty_inputs(params, prompts, outputs, vocab)
+        got = _penalty_inputs(params, prompts, outputs, vocab, kept)
+        assert want.keys() == got.keys()
+        for key in want:
+            assert torch.equal(want[key], got[key]), (step, key)
+        assert len(kept) <= 2 * 4 + 64 + 4
 
 
 def test_repetition_penalty_changes_greedy_choice() -> None:
