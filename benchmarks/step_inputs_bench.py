@@ -1,13 +1,18 @@
-"""Host time of a decode step's inputs on the CUDA-graph path, without a GPU.
+"""Host time of a decode step's inputs, without a GPU.
 
 A decode step replayed from a CUDA graph needs its inputs in the graph's static buffer: token
 ids, positions, slots, query starts, lengths, and block tables as wide as one max_model_len
-sequence. The runner builds them on the host (each table an array kept across steps, `IntRows`;
-`pad_decode_rows`, `AttentionMetadata.host_inputs`)
-and packs them into one pinned buffer (`Staging.upload`), whose copy to the device then runs
-without the host. Build and pack are host work every decode step pays before the GPU can start;
-this measures them (packing into pageable memory) for batch sizes and context limits of real
-models, with sequences of ~1K and ~16K tokens on average (at most max_model_len).
+sequence. The runner builds them on the host (each table an array kept across steps,
+`IntRows`; `pad_decode_rows`, `AttentionMetadata.host_inputs`) and packs them into one pinned
+buffer (`Staging.upload`), whose copy to the device then runs without the host. Build and pack
+are host work every decode step pays before the GPU can start; this measures them (packing into
+pageable memory) for batch sizes and context limits of real models, with sequences of ~1K and
+~16K tokens on average (at most max_model_len).
+
+With penalties (repetition, presence, frequency) the sampler stages each penalized row's prompt
+and output as well: `penalties` rows time `_penalty_inputs` as the sampler calls it (prompts
+kept as arrays across steps), every row penalized, prompts of the context's length and 256
+output tokens.
 """
 
 from __future__ import annotations
@@ -62,6 +67,26 @@ def time_inputs(batch: int, max_model_len: int, context: int, block_size: int, r
     }
 
 
+def time_penalties(batch: int, context: int, reps: int) -> dict:
+    from fairbatch.engine.sampler import _penalty_inputs
+    from fairbatch.engine.sampling_params import SamplingParams
+    from fairbatch.engine.staging import IntRows
+
+    rng = random.Random(batch * 104729 + context)
+    vocab = 151_936  # Qwen2.5's
+    params = [SamplingParams(temperature=0, repetition_penalty=1.05)] * batch
+    prompts = [[rng.randrange(vocab) for _ in range(context)] for _ in range(batch)]
+    outputs = [[rng.randrange(vocab) for _ in range(256)] for _ in range(batch)]
+    kept = IntRows()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        _penalty_inputs(params, prompts, outputs, vocab, kept)
+        times.append(time.perf_counter() - t0)
+    med = statistics.median(times) * 1e3
+    return {"batch": batch, "context_mean": context, "penalties_ms_median": round(med, 4)}
+
+
 def main(
     json_path: str | None = None,
     contexts: tuple[int, ...] = CONTEXTS,
@@ -80,7 +105,16 @@ def main(
                     f"(width {row['table_width']:>4}) batch {batch:>3}: "
                     f"{row['inputs_ms_median']:.3f} / {row['inputs_ms_p99']:.3f}"
                 )
+    penalties = []
+    for context in contexts:
+        for batch in BATCHES[1:4]:
+            row = time_penalties(batch, context, max(reps // 4, 1))
+            penalties.append(row)
+            print(
+                f"penalties: {batch:>3} rows, prompts of {context:>6}, 256 outputs: "
+                f"{row['penalties_ms_median']:.3f}"
+            )
     if json_path:
         with open(json_path, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump({"graph_inputs": rows, "penalties": penalties}, f, indent=1)
     return rows

@@ -375,7 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sched.set_defaults(func=_bench_scheduler)
     inp = bench_sub.add_parser(
-        "inputs", help="host time of a decode step's inputs on the CUDA-graph path"
+        "inputs", help="host time of a decode step's graph inputs and penalty inputs"
     )
     inp.add_argument("--json", help="write results to this JSON file")
     inp.add_argument(

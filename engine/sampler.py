@@ -238,10 +238,10 @@ def _f32(values: list[float]) -> torch.Tensor:
 
 
 def _padded(token_lists: list[Sequence[int]], pad: int) -> torch.Tensor:
-    """`[rows, longest]` int64 token ids, short rows padded with `pad`. A row may be a list or
-    an int array (`IntRows`); either is copied into the padded array in C."""
+    """`[rows, longest]` int32 token ids (staged as int32 anyway), short rows padded with `pad`.
+    A row may be a list or an int array (`IntRows`); either is copied in C."""
     width = max((len(t) for t in token_lists), default=0)
-    out = np.full((len(token_lists), width), pad, np.int64)
+    out = np.full((len(token_lists), width), pad, np.int32)
     for i, tokens in enumerate(token_lists):
         out[i, : len(tokens)] = tokens
     return torch.from_numpy(out)
@@ -323,7 +323,7 @@ def apply_penalties(
     repetition: torch.Tensor,
 ) -> torch.Tensor:
     """Penalized copy of `logits` ([r, vocab]); penalty tensors are [r], the token indices
-    `[r, width]` int64 padded with the id `vocab`.
+    `[r, width]` (any integer type) padded with the id `vocab`.
 
     Repetition (CTRL paper, as vLLM/HF): tokens present in prompt or output have positive
     logits divided by the penalty and negative ones multiplied. Then OpenAI's frequency
@@ -367,7 +367,7 @@ def _token_counts(index: torch.Tensor, vocab: int) -> torch.Tensor:
     with the id `vocab`): one scatter_add for all rows, the padding column dropped."""
     counts = torch.zeros((index.shape[0], vocab + 1), dtype=torch.float32, device=index.device)
     if index.shape[1]:
-        counts.scatter_add_(1, index, torch.ones_like(index, dtype=torch.float32))
+        counts.scatter_add_(1, index.long(), torch.ones_like(index, dtype=torch.float32))
     return counts[:, :vocab]
 
 

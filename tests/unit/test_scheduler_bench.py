@@ -47,7 +47,8 @@ def test_the_inputs_bench_times_every_batch_at_every_context_limit(tmp_path) -> 
     out = tmp_path / "i.json"
     argv = ["bench", "inputs", "--reps", "3", "--contexts", "64", "128", "--json", str(out)]
     assert cli.main(argv) == 0
-    rows = json.loads(out.read_text())
+    result = json.loads(out.read_text())
+    rows = result["graph_inputs"]
     cases = [(r["context_mean"], r["max_model_len"], r["batch"]) for r in rows]
     lens, batches = (8192, 32768, 131072), (1, 8, 32, 128, 256)
     assert cases == [(c, n, b) for c in (64, 128) for n in lens for b in batches]
@@ -55,3 +56,8 @@ def test_the_inputs_bench_times_every_batch_at_every_context_limit(tmp_path) -> 
         assert r["table_width"] == r["max_model_len"] // 16
         assert 0 < r["inputs_ms_median"] <= r["inputs_ms_p99"]
         assert abs(r["share_of_10ms_step"] - r["inputs_ms_median"] / 10) <= 1e-4
+    penalties = result["penalties"]
+    assert [(r["context_mean"], r["batch"]) for r in penalties] == [
+        (c, b) for c in (64, 128) for b in (8, 32, 128)
+    ]
+    assert all(r["penalties_ms_median"] > 0 for r in penalties)
