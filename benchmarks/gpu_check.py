@@ -5,7 +5,11 @@ Sections, each timed and recorded even when it fails (the report is rewritten af
 * `parity`: flash vs torch attention backend on one mixed step (bf16).
 * `decode`: decode step time (the runner's forward + logits) of a ~1B-parameter random-weight
   Llama in bf16 at batch 1 / 32 / 128, eager and with CUDA graphs, against the bandwidth bound
-  (weight bytes + K/V bytes read per step, over the GPU's datasheet HBM bandwidth).
+  (weight bytes + K/V bytes read per step, over the GPU's datasheet HBM bandwidth). Steps run
+  back to back (`{mode}_ms`), and as the engine runs them (`{mode}_synced_ms`: each step's
+  tokens read to the host before the next is built, so the host's input work shows);
+  `inputs_ms` is that work alone. Graphs are captured for Llama 3.2's 128K context, as a
+  deployment serves it by default (block tables 8,192 columns wide).
 * `swap`: swap-out / swap-in bandwidth of the cache engine against plain pinned copies of the
   same bytes.
 * `generate`: `LLM.generate` on the tiny model with swap and with recompute preemption; greedy
@@ -32,6 +36,7 @@ import torch
 
 GOAL = 0.7
 CONTEXT = 512  # tokens of context per sequence in the decode benchmark
+MAX_MODEL_LEN = 131072  # Llama 3.2's context: the width of the graphs' block tables
 BATCHES = (1, 32, 128)
 
 
@@ -141,9 +146,10 @@ def decode_bench(iters: int) -> dict:
         "hbm_bandwidth": profile.hbm_bandwidth if profile else None,
         "batches": {},
     }
+    result["max_model_len"] = MAX_MODEL_LEN
     modes = ["eager"]
     if backend.supports_cuda_graphs:
-        runner.capture_decode_graphs(max(BATCHES), CONTEXT + bs)
+        runner.capture_decode_graphs(max(BATCHES), MAX_MODEL_LEN)
         modes.append("graphs")
     graphs = runner.graphs
     for batch in BATCHES:
@@ -151,15 +157,28 @@ def decode_bench(iters: int) -> dict:
         ids, lens = [1] * batch, [CONTEXT + 1] * batch
 
         def step(ids=ids, lens=lens, tables=tables):
-            hidden, _ = runner._forward(ids, [1] * len(ids), lens, tables, [])
-            model.compute_logits(hidden)
+            rows = [runner.block_rows.row(i, t) for i, t in enumerate(tables)]  # as the runner
+            hidden, _ = runner._forward(ids, [1] * len(ids), lens, rows, [])
+            return model.compute_logits(hidden)
+
+        def synced_step(step=step):
+            step().argmax(dim=-1).tolist()  # the engine's one wait a step: the tokens
+
+        def inputs(ids=ids, lens=lens, tables=tables):
+            from fairbatch.engine.attention import AttentionMetadata
+            from fairbatch.engine.cuda_graphs import pad_decode_rows
+
+            rows = [runner.block_rows.row(i, t) for i, t in enumerate(tables)]
+            _, lens_p, rows_p = pad_decode_rows(ids, lens, rows, len(ids), cache.pad_block)
+            AttentionMetadata.host_inputs([1] * len(ids), lens_p, rows_p, bs, MAX_MODEL_LEN // bs)
 
         bytes_read = weight_bytes + batch * (CONTEXT + 1) * layout.bytes_per_token
-        entry = {"bytes_read": bytes_read}
+        entry = {"bytes_read": bytes_read, "inputs_ms": _timed(inputs, iters) * 1e3}
         for mode in modes:
             runner.graphs = graphs if mode == "graphs" else None
             seconds = _timed(step, iters)
             entry[f"{mode}_ms"] = seconds * 1e3
+            entry[f"{mode}_synced_ms"] = _timed(synced_step, iters) * 1e3
             if profile:
                 entry[f"{mode}_of_bound"] = bytes_read / profile.hbm_bandwidth / seconds
         result["batches"][str(batch)] = entry
