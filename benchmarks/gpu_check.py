@@ -121,6 +121,7 @@ def flash_parity() -> dict:
 
 
 def decode_bench(iters: int) -> dict:
+    from fairbatch.engine.cuda_graphs import graph_step_inputs
     from fairbatch.engine.gpu_profiles import profile_for_device
     from fairbatch.engine.model import LlamaForCausalLM
     from fairbatch.engine.runner import ModelRunner
@@ -165,12 +166,9 @@ def decode_bench(iters: int) -> dict:
             step().argmax(dim=-1).tolist()  # the engine's one wait a step: the tokens
 
         def inputs(ids=ids, lens=lens, tables=tables):
-            from fairbatch.engine.attention import AttentionMetadata
-            from fairbatch.engine.cuda_graphs import pad_decode_rows
-
             rows = [runner.block_rows.row(i, t) for i, t in enumerate(tables)]
-            _, lens_p, rows_p = pad_decode_rows(ids, lens, rows, len(ids), cache.pad_block)
-            AttentionMetadata.host_inputs([1] * len(ids), lens_p, rows_p, bs, MAX_MODEL_LEN // bs)
+            width = -(-MAX_MODEL_LEN // bs)
+            graph_step_inputs(ids, lens, rows, len(ids), width, bs, cache.pad_block)
 
         bytes_read = weight_bytes + batch * (CONTEXT + 1) * layout.bytes_per_token
         entry = {"bytes_read": bytes_read, "inputs_ms": _timed(inputs, iters) * 1e3}

@@ -2,12 +2,12 @@
 
 A decode step replayed from a CUDA graph needs its inputs in the graph's static buffer: token
 ids, positions, slots, query starts, lengths, and block tables as wide as one max_model_len
-sequence. The runner builds them on the host (each table an array kept across steps,
-`IntRows`; `pad_decode_rows`, `AttentionMetadata.host_inputs`) and packs them into one pinned
-buffer (`Staging.upload`), whose copy to the device then runs without the host. Build and pack
-are host work every decode step pays before the GPU can start; this measures them (packing into
-pageable memory) for batch sizes and context limits of real models, with sequences of ~1K and
-~16K tokens on average (at most max_model_len).
+sequence. The runner builds them on the host (`graph_step_inputs`, each table an array kept
+across steps by `IntRows`) and packs them into one pinned buffer (`Staging.upload`), whose
+copy to the device then runs without the host. Build and pack are host work every decode step
+pays before the GPU can start; this measures them (packing into pageable memory) for batch
+sizes and context limits of real models, with sequences of ~1K and ~16K tokens on average (at
+most max_model_len).
 
 With penalties (repetition, presence, frequency) the sampler stages each penalized row's prompt
 and output as well: `penalties` rows time `_penalty_inputs` as the sampler calls it (prompts
@@ -30,9 +30,8 @@ CONTEXTS = (1024, 16384)  # mean tokens a sequence
 def time_inputs(batch: int, max_model_len: int, context: int, block_size: int, reps: int) -> dict:
     import torch
 
-    from fairbatch.engine.attention import AttentionMetadata
-    from fairbatch.engine.cuda_graphs import graph_batch_sizes, pad_decode_rows, padded_batch_size
-    from fairbatch.engine.staging import IntRows, host_ints
+    from fairbatch.engine.cuda_graphs import graph_batch_sizes, graph_step_inputs, padded_batch_size
+    from fairbatch.engine.staging import IntRows
 
     rng = random.Random(batch * 7919 + max_model_len)
     lens = [min(rng.randint(context // 2, context * 3 // 2), max_model_len) for _ in range(batch)]
@@ -46,10 +45,8 @@ def time_inputs(batch: int, max_model_len: int, context: int, block_size: int, r
     for _ in range(reps):
         t0 = time.perf_counter()
         step_tables = [rows.row(str(i), t) for i, t in enumerate(tables)]
-        row_ids, row_lens, row_tables = pad_decode_rows(ids, lens, step_tables, padded, 0)
-        host = AttentionMetadata.host_inputs([1] * padded, row_lens, row_tables, block_size, width)
-        host["ids"] = host_ints(row_ids)
-        arrays = [a.reshape(-1).to(torch.int32) for a in host.values()]
+        host = graph_step_inputs(ids, lens, step_tables, padded, width, block_size, 0)
+        arrays = [a.reshape(-1).to(torch.int32) for a in host]
         numel = sum(a.numel() for a in arrays)
         if buf.numel() < numel:
             buf = torch.empty(numel, dtype=torch.int32)

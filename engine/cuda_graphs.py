@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from fairbatch.engine.attention import AttentionMetadata
+from fairbatch.engine.staging import host_ints
 
 INPUT_NAMES = ("ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables")
 
@@ -56,6 +57,23 @@ def pad_decode_rows(
     """A decode batch grown to `batch` rows with one-token sequences in `pad_block`."""
     extra = batch - len(ids)
     return ids + [0] * extra, seq_lens + [1] * extra, tables + [[pad_block]] * extra
+
+
+def graph_step_inputs(
+    ids: list[int],
+    seq_lens: list[int],
+    tables: list,
+    batch: int,
+    width: int,
+    block_size: int,
+    pad_block: int,
+) -> list[torch.Tensor]:
+    """The host tensors a decode step stages for the graph of `batch` rows, in INPUT_NAMES
+    order: its rows padded (`pad_decode_rows`), block tables `width` columns wide."""
+    ids, lens, tables = pad_decode_rows(ids, seq_lens, tables, batch, pad_block)
+    host = AttentionMetadata.host_inputs([1] * batch, lens, tables, block_size, width)
+    host["ids"] = host_ints(ids)
+    return [host[k] for k in INPUT_NAMES]
 
 
 class DecodeGraphs:

@@ -23,7 +23,7 @@ from fairbatch.engine.attention import AttentionMetadata
 from fairbatch.engine.cuda_graphs import (
     INPUT_NAMES,
     DecodeGraphs,
-    pad_decode_rows,
+    graph_step_inputs,
     padded_batch_size,
 )
 from fairbatch.engine.model import LlamaForCausalLM
@@ -213,10 +213,10 @@ class ModelRunner:
         batch = None if flagged else self._graph_batch(query_lens, tables)
         if batch is not None:
             g = self.graphs
-            ids, lens, tabs = pad_decode_rows(input_ids, seq_lens, tables, batch, g.pad_block)
-            host = AttentionMetadata.host_inputs([1] * batch, lens, tabs, self.block_size, g.width)
-            host["ids"] = host_ints(ids)
-            views = self.staging.upload([host[k] for k in INPUT_NAMES] + extra, out=g.static)
+            arrays = graph_step_inputs(
+                input_ids, seq_lens, tables, batch, g.width, self.block_size, g.pad_block
+            )
+            views = self.staging.upload(arrays + extra, out=g.static)
             self.num_graph_steps += 1
             hidden = g.replay(batch, views[0])[: len(input_ids)]
         else:
