@@ -102,6 +102,13 @@ def _bench_cluster(args: argparse.Namespace) -> int:
 
 
 def _bench_serve(args: argparse.Namespace) -> int:
+    if args.workload == "servegen":
+        from fairbatch.benchmarks import replay_bench
+
+        try:
+            return replay_bench.run(args)
+        except (ValueError, FileNotFoundError) as e:
+            args.parser.error(str(e))
     if args.peer:
         from fairbatch.benchmarks.peer import serve as peer_serve
 
@@ -239,6 +246,39 @@ def _add_bench_serve(bench_sub: argparse._SubParsersAction) -> None:
     g.add_argument("--capacity", type=_positive(float), help="requests/s (default: measured)")
     g.add_argument("--duration", type=_positive(float), default=60.0, help="scenario length, s")
     g.add_argument("--scale", type=_positive(float), default=1.0, help="scenario length scale")
+    g = srv.add_argument_group(
+        "workload: real tenants (--workload servegen; benchmarks/replay_bench.py)"
+    )
+    g.add_argument(
+        "--workload",
+        choices=["servegen"],
+        help="replay ServeGen production clients as tenants, against fairbatch serve (and "
+        "vllm serve fcfs and priority with --peer vllm), at each of --loads",
+    )
+    g.add_argument(
+        "--servegen-dir",
+        default="../shared/workloads/servegen/language/m-small",
+        help="a ServeGen client directory (chunk-N-trace.csv, chunk-N-dataset.json)",
+    )
+    g.add_argument(
+        "--servegen-span",
+        metavar="START[:N]",
+        help="the N (default 6) 10-minute windows from START (default: the busiest hour)",
+    )
+    g.add_argument("--servegen-clients", help="client names, comma-separated (default: picked)")
+    g.add_argument("--heavy", type=int, default=3, help="heaviest clients by offered cost")
+    g.add_argument("--tail", type=int, default=5, help="clients drawn from the rest")
+    g.add_argument(
+        "--loads", default="1.5", help="offered load, multiples of capacity (e.g. 0.8,1.5,3)"
+    )
+    g.add_argument(
+        "--slo-factor",
+        type=_positive(float),
+        default=5.0,
+        help="SLO: this many times a tenant's idle TTFT and TPOT",
+    )
+    g.add_argument("--max-input-len", type=_positive(int), default=1024, help="prompt cap")
+    g.add_argument("--max-output-len", type=_positive(int), default=256, help="output cap")
     g = srv.add_argument_group("workload: custom (instead of --scenario)")
     g.add_argument("--num-prompts", type=_positive(int), help="requests (default 64)")
     g.add_argument("--rate", type=_positive(float), help="requests/s; inf = all at once")

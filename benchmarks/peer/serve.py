@@ -124,7 +124,10 @@ main()
 """
 
 
-def vllm_server(python: str, model_dir: Path, eng: dict, port: int, log: Path) -> Server:
+def vllm_server(
+    python: str, model_dir: Path, eng: dict, port: int, log: Path, policy: str = "fcfs"
+) -> Server:
+    """`vllm serve` with these engine settings; `policy`: its --scheduling-policy."""
     config = json.loads((model_dir / "config.json").read_text())
     kv_bytes = peer_kv_bytes(eng["kv_tokens"], PEER_BLOCK, config, eng["dtype"])
     cmd = [
@@ -134,12 +137,16 @@ def vllm_server(python: str, model_dir: Path, eng: dict, port: int, log: Path) -
         "--max-num-seqs", str(eng["max_num_seqs"]),
         "--max-num-batched-tokens", str(eng["max_num_batched_tokens"]),
         "--max-model-len", str(eng["max_model_len"]), "--block-size", str(PEER_BLOCK),
-        "--kv-cache-memory-bytes", str(kv_bytes),
+        "--kv-cache-memory-bytes", str(kv_bytes), "--scheduling-policy", policy,
     ]  # fmt: skip
     return Server("vllm serve", cmd, peer_env(), port, log)
 
 
-def fairbatch_server(model_dir: Path, eng: dict, port: int, workdir: Path) -> Server:
+def fairbatch_server(
+    model_dir: Path, eng: dict, port: int, workdir: Path, tenants: dict[str, str] | None = None
+) -> Server:
+    """`fairbatch serve --replicas 1` with these engine settings. `tenants`: name -> API key
+    (equal weights, the default limits; anonymous requests still run as `default`)."""
     import yaml
 
     app = {
@@ -156,6 +163,9 @@ def fairbatch_server(model_dir: Path, eng: dict, port: int, workdir: Path) -> Se
             # threads are bound to every core (peer_env)
         },
     }
+    if tenants:
+        app["tenants"] = [{"name": n, "api_key": k} for n, k in tenants.items()]
+        app["allow_anonymous"] = True
     cfg = workdir / "fairbatch.yaml"
     cfg.write_text(yaml.safe_dump(app, sort_keys=False))
     cmd = [
@@ -261,6 +271,19 @@ def format_table(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def engine_settings(args: Any, model_dir: Path) -> dict[str, Any]:
+    """What both servers are given: seats, token budget, context, KV capacity, dtype."""
+    max_positions = json.loads((model_dir / "config.json").read_text())["max_position_embeddings"]
+    kv_tokens = (args.num_gpu_blocks or 1024) * BLOCK
+    return {
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": 2048,
+        "max_model_len": min(4096, kv_tokens, max_positions),
+        "kv_tokens": -(-kv_tokens // PEER_BLOCK) * PEER_BLOCK,
+        "dtype": getattr(args, "dtype", None) or "float32",
+    }
+
+
 def run(args: Any) -> int:
     """`fairbatch bench serve --peer vllm ...`; returns the exit code."""
     from fairbatch.benchmarks.checkpoints import describe, resolve_model
@@ -275,15 +298,7 @@ def run(args: Any) -> int:
         print(f"fairbatch bench serve: {e}", file=sys.stderr)
         return 1
     wl = custom_workload(args)
-    max_positions = json.loads((model_dir / "config.json").read_text())["max_position_embeddings"]
-    kv_tokens = (args.num_gpu_blocks or 1024) * BLOCK
-    eng = {
-        "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": 2048,
-        "max_model_len": min(4096, kv_tokens, max_positions),
-        "kv_tokens": -(-kv_tokens // PEER_BLOCK) * PEER_BLOCK,
-        "dtype": dtype,
-    }
+    eng = engine_settings(args, model_dir)
     rounds: list[dict[str, dict]] = []
     with tempfile.TemporaryDirectory(prefix="fairbatch-peer-serve-") as tmp:
         work = Path(tmp)

@@ -72,8 +72,11 @@ class LimitsConfig(_Strict):
     """Bounds that keep one client (or all of them) from exhausting the ingress."""
 
     max_body_bytes: int = Field(default=1 << 20, ge=1024)  # larger bodies: 413, never parsed
-    max_requests_per_tenant: int = Field(default=64, ge=1)  # in flight per tenant, else 429
-    max_requests_total: int = Field(default=256, ge=1)  # in flight overall, else 503
+    # In flight (queued or running) per tenant, else 429; overall, else 503. Generous: under a
+    # fair scheduler a tenant's burst waits its turn in the queue (or its own deadline) rather
+    # than bouncing; these bound only the ingress's memory and a runaway client.
+    max_requests_per_tenant: int = Field(default=1024, ge=1)
+    max_requests_total: int = Field(default=4096, ge=1)
     retry_after_s: int = Field(default=1, ge=1, le=3600)  # Retry-After for full queues
     max_model_len: int | None = Field(default=None, ge=2)  # None = the backend's own limit
     default_max_tokens: int = Field(default=256, ge=1)  # chat requests without max_tokens
