@@ -188,7 +188,7 @@ class SimCluster:
                     rep.assign(a.ticket, self.now)
                 assigned.append(a.ticket)
             elif isinstance(a, Preempt):
-                self.replicas[a.replica_id].core.preempt(a.request_id, a.mode)
+                self.replicas[a.replica_id].core.preempt(a.request_id, a.mode, a.seat_for)
             elif isinstance(a, Migrate):  # as Replica.migrate_out: swap out if it can, export
                 src, dst = self.replicas[a.src], self.replicas[a.dst]
                 req = src.core.scheduler.requests.get(a.request_id)

@@ -407,8 +407,8 @@ class EngineCore:
 
     # ---- controller hooks -------------------------------------------------------------------
 
-    def preempt(self, request_id: str, mode: str = "auto") -> bool:
-        out = self.scheduler.preempt(request_id, mode)
+    def preempt(self, request_id: str, mode: str = "auto", seat_for: str | None = None) -> bool:
+        out = self.scheduler.preempt(request_id, mode, seat_for)
         if out is None:
             return False
         self.runner.execute(out)  # issues the swap-out copies; schedules nothing

@@ -134,6 +134,14 @@ class Policy(TenantRegistry, Accounting, FlowAccounting, VictimChoice):
         entry = self._head()
         return None if entry is None else entry.req
 
+    def peek_tenant(self, tenant: str) -> Request | None:
+        """The next queued request of `tenant` in policy order, or None (also while its quota
+        makes it ineligible). O(the policy's orders)."""
+        if not self.quota_eligible(tenant):
+            return None
+        heads = [e.req for o in self._all_orders() if (e := o.tenant_head(tenant)) is not None]
+        return min(heads, key=self.rank, default=None)
+
     def pop(self) -> Request:
         """Remove and return `peek()`; IndexError if no eligible request is queued."""
         entry = self._head()

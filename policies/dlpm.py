@@ -127,6 +127,12 @@ class LpmOrder(Order):
     def backlogging(self, tenant: str, entry: Entry) -> None:
         """Hook: `entry` is about to give `tenant` its first queued request in this order."""
 
+    def tenant_head(self, tenant: str) -> Entry | None:
+        entries = self._waiting.get(tenant)
+        if not entries:
+            return None
+        return min(entries, key=lambda e: self.rank_key(e.req, e.key[0]))
+
     def discard(self, entry: Entry) -> None:
         name = entry.req.tenant
         entries = self._waiting[name]

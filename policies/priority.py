@@ -64,6 +64,9 @@ class ClassOrder(Order):
     def select(self) -> Entry | None:
         return self.inner.select()
 
+    def tenant_head(self, tenant: str) -> Entry | None:
+        return self.inner.tenant_head(tenant)
+
     def rank_key(self, req: Request, flag: int) -> tuple:
         return self.inner.rank_key(req, flag)
 

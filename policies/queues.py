@@ -212,6 +212,11 @@ class Order:
     def select(self) -> Entry | None:
         raise NotImplementedError
 
+    def tenant_head(self, tenant: str) -> Entry | None:
+        """The entry `tenant`'s queue here serves next, or None (eligibility not checked)."""
+        tq = self._queues.get(tenant)
+        return tq.top() if tq is not None and tq.live else None
+
     def rank_key(self, req: Request, flag: int) -> tuple:
         raise NotImplementedError
 

@@ -36,6 +36,7 @@ from fairbatch.scheduler.loras import LoRASlots
 from fairbatch.scheduler.output import RunnerOutput, SchedulerOutput, StepUpdates
 from fairbatch.scheduler.preemption import preemption_mode, takeable
 from fairbatch.scheduler.request import FINISH_REASONS, Request, RequestStatus
+from fairbatch.scheduler.seats import KeptSeats
 
 
 class Scheduler:
@@ -76,6 +77,8 @@ class Scheduler:
         self.deadlines = Deadlines()
         self.num_timed_out = {"queue": 0, "running": 0}
         self.loras: LoRASlots | None = None  # set by the engine when it serves LoRA adapters
+        self.kept_seats = KeptSeats()  # seats the controller gave a preempted one's place to
+        self._seat_limit = config.max_num_seqs  # seats for the rest, this step
 
     # ---- intake -----------------------------------------------------------------------------
 
@@ -148,6 +151,7 @@ class Scheduler:
             self._release_siblings(request, can_fork=False)
         request.status = status
         self.kv.forget(request)
+        self.kept_seats.release(request.request_id)
         del self.requests[request.request_id]
         self._finished_ids.add(request.request_id)
 
@@ -200,6 +204,10 @@ class Scheduler:
             self._evict_expired(out)
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted_swap and not out.preempted_recompute:
+            self._seat_limit = self.config.max_num_seqs
+            if self.kept_seats and self.kept_seats.refresh(self.requests, self.clock()):
+                budget = self._schedule_kept(out, budget)
+                self._seat_limit -= len(self.kept_seats)
             budget = self._schedule_swapped(out, budget)
             self._schedule_waiting(out, budget)
         out.finished_ids, self._finished_ids = self._finished_ids, set()
@@ -241,7 +249,7 @@ class Scheduler:
         if not self.swapped:
             return budget
         self.swapped.sort(key=self.policy.rank)
-        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.swapped and budget > 0 and len(self.running) < self._seat_limit:
             request = self.swapped[0]
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             blocks_after = self.kv.num_blocks_needed(request.num_computed_tokens + n)
@@ -261,9 +269,28 @@ class Scheduler:
             budget -= n
         return budget
 
+    def _schedule_kept(self, out: SchedulerOutput, budget: int) -> int:
+        """The requests seats are kept for (seats.py), before anyone else, oldest first."""
+        for request in self.kept_seats.waiting(self.requests):
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            if self.loras is not None and not self.loras.can_start(request):
+                continue
+            computed, num_cached_tokens = self._cached_prefix(request)
+            remaining = request.num_tokens - request.num_computed_tokens - num_cached_tokens
+            n = min(remaining, budget)
+            if n < remaining and not self.config.enable_chunked_prefill:
+                break
+            new_ids = self.kv.allocate_slots(request, n, computed)
+            if new_ids is None:
+                break  # its seat stays kept until blocks free
+            self._admit(request, out, n, new_ids, num_cached_tokens)
+            budget -= n
+        return budget
+
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         policy = self.policy
-        seats = self.config.max_num_seqs
+        seats = self._seat_limit
         # A swapped request still out (it found too few blocks or seats) is not overtaken by
         # a waiting one it precedes in policy order: new work must not starve swapped work.
         first_swapped = policy.rank(self.swapped[0]) if self.swapped else None
@@ -287,12 +314,7 @@ class Scheduler:
                     return
                 budget = self.config.max_num_batched_tokens - out.total_num_scheduled_tokens
                 continue
-            if request.prompt_logprobs is not None and request.prompt_logprobs.num_missing:
-                # Its prompt's log-probs need every position's logits, which cached blocks
-                # never produced: compute the whole prompt (as vLLM does), once.
-                computed, num_cached_tokens = [], 0
-            else:
-                computed, num_cached_tokens = self.kv.get_computed_blocks(request)
+            computed, num_cached_tokens = self._cached_prefix(request)
             remaining = request.num_tokens - request.num_computed_tokens - num_cached_tokens
             n = min(remaining, budget)
             if n < remaining and not self.config.enable_chunked_prefill:
@@ -303,16 +325,31 @@ class Scheduler:
                     return  # head-of-line waits: later requests never jump the policy's order
                 budget = self.config.max_num_batched_tokens - out.total_num_scheduled_tokens
                 continue
-            # remove, not pop: a victim requeued ahead of it must not take its place
-            policy.remove(request, served=True)
-            request.num_computed_tokens += num_cached_tokens
-            self.num_prefix_hit_tokens += num_cached_tokens
-            if request.num_cached_tokens is None:
-                request.num_cached_tokens = num_cached_tokens
-            self._start_running(request)
-            self._add_scheduled(out, request, n, new_ids)
+            self._admit(request, out, n, new_ids, num_cached_tokens)
             budget -= n
             request = None
+
+    def _cached_prefix(self, request: Request) -> tuple[list[int], int]:
+        """The blocks and tokens of `request`'s prompt in the prefix cache."""
+        if request.prompt_logprobs is not None and request.prompt_logprobs.num_missing:
+            # Its prompt's log-probs need every position's logits, which cached blocks
+            # never produced: compute the whole prompt (as vLLM does), once.
+            return [], 0
+        return self.kv.get_computed_blocks(request)
+
+    def _admit(
+        self, request: Request, out: SchedulerOutput, n: int, new_ids, num_cached_tokens: int
+    ) -> None:
+        """A waiting request starts with `n` tokens on `new_ids` (and its cached prefix)."""
+        # remove, not pop: a victim requeued ahead of it must not take its place
+        self.policy.remove(request, served=True)
+        request.num_computed_tokens += num_cached_tokens
+        self.num_prefix_hit_tokens += num_cached_tokens
+        if request.num_cached_tokens is None:
+            request.num_cached_tokens = num_cached_tokens
+        self._start_running(request)
+        self._add_scheduled(out, request, n, new_ids)
+        self.kept_seats.release(request.request_id)
 
     def _first_startable(self) -> Request | None:
         """The first waiting request in policy order whose adapter may start now (see
@@ -437,15 +474,20 @@ class Scheduler:
 
     # ---- hooks for the cluster controller ---------------------------------------------------
 
-    def preempt(self, request_id: str, mode: str = "auto") -> SchedulerOutput | None:
+    def preempt(
+        self, request_id: str, mode: str = "auto", seat_for: str | None = None
+    ) -> SchedulerOutput | None:
         """Preempt a running request between steps. Returns the swap-out copies to issue
         (an output with no scheduled requests), or None if it is not running. Raises
         ValueError, changing nothing, for an unknown mode or for "swap" when the CPU swap
-        space cannot hold the request ("auto" picks recompute then)."""
+        space cannot hold the request ("auto" picks recompute then). `seat_for`: the request
+        its seat is kept for (seats.py), which may arrive before or after this call."""
         if mode not in ("auto", "swap", "recompute"):
             raise ValueError(f"mode must be 'auto', 'swap' or 'recompute', got {mode!r}")
         request = self.requests.get(request_id)
         if request is None or request.status != RequestStatus.RUNNING:
+            if seat_for is not None:  # it ended, or waits: its seat is free, and kept all the same
+                self.kept_seats.keep(seat_for, self.clock())
             return None
         if mode == "swap" and not self.kv.can_swap_out(request):
             num_blocks = len(self.kv.block_ids(request_id))
@@ -455,6 +497,8 @@ class Scheduler:
             )
         out = SchedulerOutput(copy_blocks=self.forks.take_copies())  # a fork's copies first
         self._preempt(request, out, None if mode == "auto" else mode)
+        if seat_for is not None:
+            self.kept_seats.keep(seat_for, self.clock())
         return out
 
     def export_request(self, request_id: str) -> tuple[Request, list[int] | None]:

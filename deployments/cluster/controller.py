@@ -397,7 +397,7 @@ class Controller(ClientSide):
         preempted already or ended, does nothing."""
         rid = action.request_id
         try:
-            await handle.preempt.remote(rid, action.mode)
+            await handle.preempt.remote(rid, action.mode, action.seat_for)
         except Exception as e:  # the replica died: its requests are resubmitted elsewhere
             log.info("preempt %s on %s failed: %r", rid, action.replica_id, e)
 

@@ -300,18 +300,49 @@ class FairnessCore:
         return Assign(t, r.replica_id)
 
     def _preempt_for(self, t: Ticket, actions: list) -> None:
-        """No slot anywhere and `t` waits: if some running request has a lower priority, preempt
-        the cluster-wide victim and give its slot to `t` on that replica (the replica's local
-        scheduler runs `t` first)."""
-        victim = self.preemption.victim(t.priority, self.policy.counters_view())
-        if victim is None:
+        """No slot anywhere and `t`, the head of the queue, waits. If some assigned request has
+        a lower priority, preempt the cluster-wide victim and give its slot to `t`; else
+        (`fair_preemption`) if a queued tenant holds less than its share of the seats while
+        another holds more, preempt for that tenant's next request (preemption.py). The
+        victim's replica keeps the seat for the request it gave way to."""
+        counters = self.policy.counters_view()
+        victim = self.preemption.victim(t.priority, counters)
+        if victim is None and self.config.fair_preemption:
+            t, victim = self._fair_swap(counters)
+        if victim is None or t is None:
             return
         r = self.replicas[victim.replica]  # type: ignore[index]
         self.preemption.displace(victim)
         self.num_preemptions += 1
-        self._pop()
-        actions.append(Preempt(r.replica_id, victim.request_id, self.config.preempt_mode))
+        self.policy.remove(t, served=True)  # as a pop when `t` is the head
+        self._unqueued(t)
+        actions.append(
+            Preempt(r.replica_id, victim.request_id, self.config.preempt_mode, t.request_id)
+        )
         actions.append(self._assign(t, r))
+
+    def _fair_swap(self, counters) -> tuple[Ticket | None, Ticket | None]:
+        """(waiting, victim) for a fair preemption, or (None, None): the queued tenant
+        furthest under its share of the seats (by seats held / weight) whose next request
+        some over-share tenant's running request can give way to."""
+        seats = sum(r.seats for r in self.replicas.values() if r.alive)
+        held = self.preemption.held
+        names = {*self._queued, *held}
+        weights = {n: self.policy.tenant(n).weight for n in names}
+        total = sum(weights.values())
+        if not seats or total <= 0:
+            return None, None
+        shares = {n: seats * w / total for n, w in weights.items()}
+        under = [n for n in self._queued if held.get(n, 0) + 1 <= shares[n]]
+        under.sort(key=lambda n: (held.get(n, 0) / weights[n], counters.get(n, 0.0), n))
+        for name in under:
+            waiting = self.policy.peek_tenant(name)
+            if waiting is None:
+                continue  # over its quota
+            victim = self.preemption.fair_victim(waiting, shares, counters)
+            if victim is not None:
+                return waiting, victim
+        return None, None
 
     def _move(
         self, t: Ticket, src: ReplicaState, dst: ReplicaState, waiting_only: bool = False

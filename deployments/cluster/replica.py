@@ -382,8 +382,12 @@ class Replica(Reports):
 
     # ---- controller commands ----------------------------------------------------------------
 
-    async def preempt(self, request_id: str, mode: str = "auto") -> bool:
-        ok = await self.engine.call(self.core.preempt, request_id, mode)
+    async def preempt(
+        self, request_id: str, mode: str = "auto", seat_for: str | None = None
+    ) -> bool:
+        """Preempt a running request; `seat_for`: the request its seat is kept for (the
+        controller assigns it here with this preemption)."""
+        ok = await self.engine.call(self.core.preempt, request_id, mode, seat_for)
         self._changed = True
         return ok
 

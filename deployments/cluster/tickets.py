@@ -24,6 +24,9 @@ class ControllerConfig:
     tenants: list[TenantSpec] = field(default_factory=list)
     local_queue: int = 2  # requests a replica may hold beyond its running seats ("fair")
     preemption: bool = True  # coordinated preemption for higher-priority waiting requests
+    # ... and for a waiting request whose tenant holds less than its share of the seats while
+    # another holds more (preemption.py): fairness decides who holds the seats too
+    fair_preemption: bool = True
     preempt_mode: str = "auto"  # "auto" | "swap" | "recompute"
     migrate_displaced: bool = True  # move a preempted request to a replica with room
     # A seat frees on one replica while another holds requests waiting in its local queue,
@@ -112,6 +115,7 @@ class Preempt:
     replica_id: str
     request_id: str
     mode: str
+    seat_for: str | None = None  # the request its seat is kept for (assigned there with it)
 
 
 @dataclass

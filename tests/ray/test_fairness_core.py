@@ -214,13 +214,68 @@ def test_coordinated_preemption_picks_the_cluster_wide_victim():
     core.report(r0(active={"L": ("light", 0, True, 10, 1)}))
     core.report(r1(active={"H": ("heavy", 0, True, 50, 1)}))
     actions = core.submit(meta("vip", tenant="light", priority=5))
-    assert [a for a in actions if isinstance(a, Preempt)] == [Preempt("r1", "H", "auto")]
+    assert [a for a in actions if isinstance(a, Preempt)] == [Preempt("r1", "H", "auto", "vip")]
     assert assigned(actions) == [("vip", "r1")]
-    # an equal-priority request never preempts
+    # an equal-priority request: light already holds both seats, more than its share
     assert core.submit(meta("same", tenant="light")) == []
     # a slot frees on r0: the displaced request moves there before the queue is served
     actions = core.report(r0(finished=[("L", 10)]))
     assert [a for a in actions if isinstance(a, Migrate)] == [Migrate("H", "r1", "r0")]
+
+
+def fair_core(seats: int = 4, **tenants: float) -> tuple[FairnessCore, Reporter]:
+    specs = [TenantSpec(name, weight) for name, weight in tenants.items()]
+    core = FairnessCore(ControllerConfig(tenants=specs, local_queue=0))
+    rep = Reporter("r0", seats=seats)
+    core.report(rep())
+    return core, rep
+
+
+def running(*rids: str, tenant: str) -> dict:
+    return {rid: (tenant, 0, True, 10, 1) for rid in rids}
+
+
+def preempted(actions: list) -> list[tuple[str, str | None]]:
+    return [(a.request_id, a.seat_for) for a in actions if isinstance(a, Preempt)]
+
+
+def test_fair_preemption_gives_a_tenant_under_its_share_of_the_seats_a_seat():
+    core, rep = fair_core(seats=4, noisy=1.0, quiet=1.0)
+    for i in range(6):  # N0-N3 run, N4 and N5 wait
+        core.submit(meta(f"N{i}", tenant="noisy"))
+    core.report(rep(active=running("N0", "N1", "N2", "N3", tenant="noisy")))
+    # quiet is lifted to noisy's counter, so noisy's older N4 heads the queue; still, quiet
+    # holds 0 of its 2 seats and noisy 4: noisy's latest running request gives way to Q0
+    actions = core.submit(meta("Q0", tenant="quiet"))
+    assert preempted(actions) == [("N3", "Q0")]
+    assert assigned(actions) == [("Q0", "r0")]
+    assert preempted(core.submit(meta("Q1", tenant="quiet"))) == [("N2", "Q1")]
+    # 2 seats each now: quiet at its share, and noisy would fall below it
+    assert core.submit(meta("Q2", tenant="quiet")) == []
+    # noisy's N4 at the head is at its share too: nobody is preempted back
+    assert core.report(rep(active={**running("N0", "N1", tenant="noisy"),
+                                   **running("Q0", "Q1", tenant="quiet")})) == []  # fmt: skip
+    assert core.stats()["preemptions"] == 2
+
+
+def test_fair_shares_of_the_seats_follow_the_weights():
+    core, rep = fair_core(seats=4, noisy=1.0, quiet=3.0)
+    for i in range(5):
+        core.submit(meta(f"N{i}", tenant="noisy"))
+    core.report(rep(active=running("N0", "N1", "N2", "N3", tenant="noisy")))
+    got = [preempted(core.submit(meta(f"Q{i}", tenant="quiet"))) for i in range(4)]
+    # quiet's share is 3 seats, noisy's 1
+    assert got == [[("N3", "Q0")], [("N2", "Q1")], [("N1", "Q2")], []]
+
+
+def test_fair_preemption_off_leaves_the_seats_to_whoever_holds_them():
+    core = FairnessCore(ControllerConfig(local_queue=0, fair_preemption=False))
+    rep = Reporter("r0", seats=2)
+    core.report(rep())
+    core.submit(meta("N0", tenant="noisy"))
+    core.submit(meta("N1", tenant="noisy"))
+    core.report(rep(active=running("N0", "N1", tenant="noisy")))
+    assert core.submit(meta("Q0", tenant="quiet")) == []
 
 
 def test_restarted_controller_rebuilds_from_reports():

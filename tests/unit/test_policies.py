@@ -235,6 +235,29 @@ def test_remove_from_the_middle_and_head(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))
+def test_peek_tenant_is_the_tenants_next_request_in_policy_order(name: str) -> None:
+    """Differential: with other tenants queued too, `peek_tenant(t)` is what `peek()` of the
+    same policy holding only t's requests answers (classes, requeues and removals included)."""
+    mixed, alone = make_policy(name), make_policy(name)
+    reqs = mk("a1", "b2", "a3", "b4", "a5", "c6")
+    reqs += [Req("a7", "a", 7, priority=1), Req("b8", "b", 8, priority=2)]
+    for r in reqs:
+        mixed.enqueue(r)
+        if r.tenant == "a":
+            alone.enqueue(r)
+    requeued = Req("a0", "a", 0)
+    mixed.requeue(requeued)
+    alone.requeue(requeued)
+    while alone.peek() is not None:
+        head = alone.peek()
+        assert mixed.peek_tenant("a") is head
+        alone.remove(head, served=True)
+        mixed.remove(head, served=True)
+    assert mixed.peek_tenant("a") is None and mixed.peek_tenant("nobody") is None
+    assert mixed.peek_tenant("c").request_id == "c6"
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
 def test_queue_basics(name: str) -> None:
     p = make_policy(name)
     with pytest.raises(IndexError):

@@ -780,3 +780,57 @@ def test_request_takes_its_prompt_from_any_iterable_once():
     r = Request("g", (t for t in [3, 4, 5]), max_tokens=2)
     assert r.prompt_token_ids == [3, 4, 5] and r.all_token_ids == [3, 4, 5]
     assert r.prompt_token_ids is not r.all_token_ids  # the prompt stays as given
+
+
+@pytest.mark.parametrize("order", ["preempt first", "request first"])
+def test_a_seat_given_away_by_the_controller_is_kept_for_its_request(order):
+    """The controller preempts `a` for `q` (seats.py): whichever of the two calls comes first,
+    the freed seat goes to `q`, not to the swapped victim nor to `w`, queued earlier; `a`
+    resumes once a seat frees, with the tokens it would have made undisturbed."""
+    sched = make_sched(num_blocks=32, block_size=4, cpu_blocks=32, max_num_seqs=2)
+    runner = FakeRunner(VOCAB)
+    sched.add_request(Request("a", [1] * 6, max_tokens=8))
+    sched.add_request(Request("b", [2] * 6, max_tokens=8))
+    got: dict[str, list[int]] = {}
+
+    def run(n: int) -> list[list[str]]:
+        ran = []
+        for _ in range(n):
+            out, updates = step(sched, runner)
+            ran.append(sorted(r.request_id for r in out.scheduled))
+            for u in updates:
+                got.setdefault(u.request_id, []).extend(u.new_token_ids)
+            sched.check_integrity()
+        return ran
+
+    run(2)
+    sched.add_request(Request("w", [3] * 5, max_tokens=2))  # waits: both seats taken
+    if order == "request first":
+        sched.add_request(Request("q", [4] * 5, max_tokens=2))
+    assert sched.preempt("a", "swap", seat_for="q") is not None
+    if order == "preempt first":
+        assert run(1) == [["b"]]  # the seat stays empty until q arrives
+        sched.add_request(Request("q", [4] * 5, max_tokens=2))
+    assert run(1) == [["b", "q"]]
+    assert not sched.kept_seats
+    for rid, tokens in run_to_end(sched, runner).items():
+        got.setdefault(rid, []).extend(tokens)
+    assert got["a"] == reference_tokens([1] * 6, 8)
+    assert got["q"] == reference_tokens([4] * 5, 2)
+
+
+def test_a_kept_seat_is_given_back_when_its_request_never_comes():
+    now = [0.0]
+    kv = KVCacheManager(32, 4, 32)
+    sched = Scheduler(
+        SchedulerConfig(max_model_len=1024, max_num_seqs=1), kv, make_policy("fcfs", ()),
+        clock=lambda: now[0],
+    )  # fmt: skip
+    runner = FakeRunner(VOCAB)
+    sched.add_request(Request("a", [1] * 6, max_tokens=6))
+    step(sched, runner)
+    sched.preempt("a", "swap", seat_for="gone")
+    assert step(sched, runner)[0].scheduled == []  # kept for "gone"
+    now[0] += sched.kept_seats.hold_s + 0.1
+    assert [r.request_id for r in step(sched, runner)[0].scheduled] == ["a"]
+    assert not sched.kept_seats
