@@ -4,7 +4,9 @@ One command replays the same ServeGen tenants (benchmarks/servegen.py) against e
 one or more loads, and reports per tenant what it got (benchmarks/tenant_slo.py):
 
 1. Servers: `fairbatch serve --replicas 1` on --checkpoint (its tenants keyed, equal weights,
-   no labels, the default limits a user gets); with `--peer vllm`, also `vllm serve` with its
+   no labels, the default limits a user gets); with --without-fair-preemption, also the same
+   server with the controller's fair preemption off ("fairbatch-nofp"); with `--peer vllm`,
+   also `vllm serve` with its
    `fcfs` policy and with its `priority` policy (the tail tenants labelled: priority 0, the
    heavy ones 1; vLLM runs lower first). Same checkpoint, dtype, seats, token budget and KV
    capacity (benchmarks/peer/serve.py); each server alone on the machine. With --url: that
@@ -20,6 +22,8 @@ one or more loads, and reports per tenant what it got (benchmarks/tenant_slo.py)
 
 OUT/result.json: the command, the replay (clients, span, scales), capacity, each server's idle
 latency, and per load and server `tenant_slo.tenant_slos` plus throughput; PNG plots per load.
+OUT/runs.jsonl keeps every request's result as each run ends; `--reanalyze` rebuilds the report
+from it without the servers.
 """
 
 from __future__ import annotations
@@ -195,10 +199,14 @@ def server_plans(args: argparse.Namespace, mix: Mix, work: Path) -> tuple[list[S
     eng = peer.engine_settings(args, model_dir)
     keys = {t: tenant_key(t) for t in mix.tenants}
 
-    def fairbatch() -> contextlib.AbstractContextManager[str]:
-        return peer.fairbatch_server(model_dir, eng, peer.free_port(), work, tenants=keys)
+    def fairbatch(**controller: Any) -> Callable[[], contextlib.AbstractContextManager[str]]:
+        return lambda: peer.fairbatch_server(
+            model_dir, eng, peer.free_port(), work, tenants=keys, controller=controller
+        )
 
-    plans = [ServerPlan("fairbatch", fairbatch, None)]
+    plans = [ServerPlan("fairbatch", fairbatch(), None)]
+    if args.without_fair_preemption:
+        plans.append(ServerPlan("fairbatch-nofp", fairbatch(fair_preemption=False), None))
     if args.peer:
         from fairbatch.benchmarks.peer.process import check_peer_python
 
@@ -235,7 +243,6 @@ def prioritized(specs: Sequence[RequestSpec], priority: Callable[[str], int] | N
 def run(args: argparse.Namespace) -> int:
     from fairbatch.benchmarks import serve_bench as B
 
-    loads = [float(x) for x in args.loads.split(",")]
     mix = build_mix(args)
     result: dict[str, Any] = {"kind": "replay", "meta": B.meta(args)}
     result["replay"] = {
@@ -249,43 +256,13 @@ def run(args: argparse.Namespace) -> int:
         "seed": args.seed,
         "mean_cost": mix.mean_cost(),
     }
-    capacity = args.capacity * mix.mean_cost() if args.capacity else None
-    runs: dict[str, dict] = {}
-    idle: dict[str, dict] = {}
-    with tempfile.TemporaryDirectory(prefix="fairbatch-replay-") as tmp:
-        plans, engine = server_plans(args, mix, Path(tmp))
-        result["engine"] = engine
-        for plan in plans:
-            print(f"starting {plan.label}", file=sys.stderr, flush=True)
-            with plan.start() as url:
-                model = asyncio.run(_model(url, args))
-                warm = [
-                    dataclasses.replace(s, arrival_s=0.0) for s in mix.sample(4 * WARMUP, "warm-up")
-                ]
-                warm = warm[:WARMUP]
-                asyncio.run(replay_once(url, model, warm, send_priority=False, drain_s=600))
-                if capacity is None:
-                    capacity = asyncio.run(_calibrate(url, model, mix, args.max_num_seqs))
-                    print(f"capacity {capacity:.0f} cost/s on {plan.label}", file=sys.stderr)
-                idle[plan.label] = asyncio.run(
-                    idle_latency(url, model, sg.build_replay(mix.clients, mix.at(capacity)),
-                                 mix.tenants)
-                )  # fmt: skip
-                for load in loads:
-                    specs = prioritized(
-                        sg.build_replay(mix.clients, mix.at(load * capacity)), plan.priority
-                    )
-                    t = time.monotonic()
-                    results, duration = asyncio.run(
-                        replay_once(url, model, specs, send_priority=plan.priority is not None,
-                                    drain_s=args.max_drain or 60.0)
-                    )  # fmt: skip
-                    runs.setdefault(f"{load:g}", {})[plan.label] = {
-                        "results": results,
-                        "duration_s": duration,
-                    }
-                    print(f"  {plan.label} at {load:g}x: {len(specs)} requests, "
-                          f"{time.monotonic() - t:.0f} s", file=sys.stderr, flush=True)  # fmt: skip
+    if args.sim_replicas:
+        return run_sim(args, mix, result)
+    out = B.out_dir(args)
+    if args.reanalyze:
+        capacity, idle, runs = load_runs(out)
+    else:
+        capacity, idle, runs = measure(args, mix, result, out)
     result["capacity_cost_per_s"] = capacity
     result["capacity_rps"] = capacity / mix.mean_cost()
     result["idle"] = idle
@@ -298,7 +275,6 @@ def run(args: argparse.Namespace) -> int:
         }
         for load, by_server in runs.items()
     }
-    out = B.out_dir(args)
     result["plots"] = [] if args.no_plots else plots(runs, mix, out)
     text = format_tables(result, mix)
     rows = [
@@ -309,6 +285,122 @@ def run(args: argparse.Namespace) -> int:
     ]
     result["requests"] = rows
     wrote = B.write_results(args, out, result)
+    print(text)
+    print(f"\nwrote {wrote}")
+    return 0
+
+
+def measure(
+    args: argparse.Namespace, mix: Mix, result: dict, out: Path
+) -> tuple[float, dict, dict]:
+    """Start each server, calibrate (once), probe idle latency, replay each load. Each run's
+    results are appended to OUT/runs.jsonl as it ends (`--reanalyze` reads them back)."""
+    capacity = args.capacity * mix.mean_cost() if args.capacity else None
+    runs: dict[str, dict] = {}
+    idle: dict[str, dict] = {}
+    saved = out / RUNS_FILE
+    saved.write_text("")
+    with tempfile.TemporaryDirectory(prefix="fairbatch-replay-") as tmp:
+        plans, engine = server_plans(args, mix, Path(tmp))
+        result["engine"] = engine
+        for plan in plans:
+            print(f"starting {plan.label}", file=sys.stderr, flush=True)
+            with plan.start() as url:
+                model = asyncio.run(_model(url, args))
+                warm = [
+                    dataclasses.replace(s, arrival_s=0.0) for s in mix.sample(4 * WARMUP, "warm-up")
+                ]
+                asyncio.run(
+                    replay_once(url, model, warm[:WARMUP], send_priority=False, drain_s=600)
+                )
+                if capacity is None:
+                    capacity = asyncio.run(_calibrate(url, model, mix, args.max_num_seqs))
+                    print(f"capacity {capacity:.0f} cost/s on {plan.label}", file=sys.stderr)
+                idle[plan.label] = asyncio.run(
+                    idle_latency(url, model, sg.build_replay(mix.clients, mix.at(capacity)),
+                                 mix.tenants)
+                )  # fmt: skip
+                _append(saved, {"capacity": capacity, "idle": {plan.label: idle[plan.label]}})
+                for load in loads_of(args):
+                    specs = prioritized(
+                        sg.build_replay(mix.clients, mix.at(load * capacity)), plan.priority
+                    )
+                    t = time.monotonic()
+                    results, duration = asyncio.run(
+                        replay_once(url, model, specs, send_priority=plan.priority is not None,
+                                    drain_s=args.max_drain or 60.0)
+                    )  # fmt: skip
+                    runs.setdefault(f"{load:g}", {})[plan.label] = {
+                        "results": results,
+                        "duration_s": duration,
+                    }
+                    _append(saved, {"load": f"{load:g}", "server": plan.label,
+                                    "duration_s": duration,
+                                    "results": [_result_row(r) for r in results]})  # fmt: skip
+                    print(f"  {plan.label} at {load:g}x: {len(specs)} requests, "
+                          f"{time.monotonic() - t:.0f} s", file=sys.stderr, flush=True)  # fmt: skip
+    assert capacity is not None
+    return capacity, idle, runs
+
+
+RUNS_FILE = "runs.jsonl"
+
+
+def loads_of(args: argparse.Namespace) -> list[float]:
+    return [float(x) for x in args.loads.split(",")]
+
+
+def _append(path: Path, record: dict) -> None:
+    import json
+
+    with path.open("a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def _result_row(r: RequestResult) -> dict:
+    """A result as JSON, its spec without the prompt text."""
+    row = dataclasses.asdict(r)
+    row["spec"] = {k: v for k, v in row["spec"].items() if k != "prompt"}
+    return row
+
+
+def load_runs(out: Path) -> tuple[float, dict, dict]:
+    """What `measure` saved in OUT/runs.jsonl: capacity, idle latency, runs."""
+    import json
+
+    capacity, idle, runs = None, {}, {}
+    path = out / RUNS_FILE
+    if not path.exists():
+        raise FileNotFoundError(f"--reanalyze: no {path} (run without --reanalyze first)")
+    for line in path.read_text().splitlines():
+        rec = json.loads(line)
+        if "capacity" in rec:
+            capacity = rec["capacity"]
+            idle.update(rec["idle"])
+            continue
+        results = []
+        for row in rec["results"]:
+            spec = RequestSpec(prompt="", **row.pop("spec"))
+            results.append(RequestResult(spec=spec, **row))
+        runs.setdefault(rec["load"], {})[rec["server"]] = {
+            "results": results,
+            "duration_s": rec["duration_s"],
+        }
+    if capacity is None:
+        raise ValueError(f"{path} holds no capacity record")
+    return capacity, idle, runs
+
+
+def run_sim(args: argparse.Namespace, mix: Mix, result: dict) -> int:
+    """The replay on simulated GPU replicas (replay_sim.py), at the trace's own rates."""
+    from fairbatch.benchmarks import replay_sim
+    from fairbatch.benchmarks import serve_bench as B
+
+    sizes = [int(x) for x in args.sim_replicas.split(",")]
+    result["kind"] = "replay_sim"
+    result["sim"] = replay_sim.run(mix, sizes, args.sim_rate_scale, args.slo_factor)
+    text = replay_sim.format_table(result["sim"], mix)
+    wrote = B.write_results(args, B.out_dir(args), result)
     print(text)
     print(f"\nwrote {wrote}")
     return 0
@@ -416,7 +508,11 @@ def plots(runs: dict[str, dict[str, dict]], mix: Mix, out: Path) -> list[str]:
         for label, run in by_server.items():
             series[label] = []
             for t in mix.tenants:
-                ttfts = [r.ttft_s for r in run["results"] if r.spec.tenant == t and r.ok]
+                ttfts = [
+                    r.ttft_s
+                    for r in run["results"]
+                    if r.spec.tenant == t and r.ok and r.ttft_s is not None
+                ]
                 series[label].append(percentile(ttfts, 99) if ttfts else None)
         paths.append(
             grouped_bars(

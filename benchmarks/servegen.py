@@ -186,7 +186,7 @@ def _read_trace(path: Path) -> list[Window]:
                         pattern,
                         float(shape or 0),
                         float(scale or 0),
-                    )  # fmt: skip
+                    )
                 )
             except ValueError as e:
                 raise ValueError(f"{path}:{line_no}: {e}") from None
@@ -286,10 +286,11 @@ def offered_cost_per_s(clients: dict[str, Client], replay: Replay) -> float:
 
 
 def sample_client(
-    client: Client, replay: Replay, maker: TextMaker | None = None
+    client: Client, replay: Replay, maker: TextMaker | None = None, with_text: bool = True
 ) -> list[RequestSpec]:
     """One client's requests of the replay, as tenant `client.name`, sorted by arrival; indices
-    are provisional (`build_replay` numbers the merged list)."""
+    are provisional (`build_replay` numbers the merged list). `with_text=False`: prompts are
+    left empty (a simulation needs only their lengths; the draws then differ)."""
     maker = maker or TextMaker()
     rng = random.Random(f"servegen:{replay.seed}:{client.name}")
     window_len = WINDOW_S / replay.time_scale
@@ -310,20 +311,23 @@ def sample_client(
                     index=0,
                     tenant=client.name,
                     arrival_s=t0 + t,
-                    prompt=maker.make(n_in, rng),
+                    prompt=maker.make(n_in, rng) if with_text else "",
                     prompt_len=max(1, n_in),
                     max_tokens=n_out,
-                )  # fmt: skip
+                )
             )
     return specs
 
 
 def build_replay(
-    clients: dict[str, Client], replay: Replay, maker: TextMaker | None = None
+    clients: dict[str, Client],
+    replay: Replay,
+    maker: TextMaker | None = None,
+    with_text: bool = True,
 ) -> list[RequestSpec]:
     """All tenants' requests, sorted by arrival (ties by tenant), numbered 0..n-1."""
     import dataclasses
 
-    specs = [s for n in replay.clients for s in sample_client(clients[n], replay, maker)]
+    specs = [s for n in replay.clients for s in sample_client(clients[n], replay, maker, with_text)]
     specs.sort(key=lambda s: (s.arrival_s, s.tenant))
     return [dataclasses.replace(s, index=i) for i, s in enumerate(specs)]

@@ -277,6 +277,28 @@ def _add_bench_serve(bench_sub: argparse._SubParsersAction) -> None:
         default=5.0,
         help="SLO: this many times a tenant's idle TTFT and TPOT",
     )
+    g.add_argument(
+        "--without-fair-preemption",
+        action="store_true",
+        help="also run fairbatch with the controller's fair preemption off (fairbatch-nofp)",
+    )
+    g.add_argument(
+        "--reanalyze",
+        action="store_true",
+        help="rebuild the report from OUT/runs.jsonl of an earlier run (give its --out)",
+    )
+    g.add_argument(
+        "--sim-replicas",
+        metavar="N,N,...",
+        help="instead of servers: the replay on this many simulated GPU replicas (Llama-3-8B "
+        "on an H100, virtual time), fairbatch against per-replica FCFS behind a balancer",
+    )
+    g.add_argument(
+        "--sim-rate-scale",
+        type=_positive(float),
+        default=1.0,
+        help="--sim-replicas: the trace's request rates times this (default 1: as recorded)",
+    )
     g.add_argument("--max-input-len", type=_positive(int), default=1024, help="prompt cap")
     g.add_argument("--max-output-len", type=_positive(int), default=256, help="output cap")
     g = srv.add_argument_group("workload: custom (instead of --scenario)")

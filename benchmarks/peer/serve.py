@@ -143,10 +143,16 @@ def vllm_server(
 
 
 def fairbatch_server(
-    model_dir: Path, eng: dict, port: int, workdir: Path, tenants: dict[str, str] | None = None
+    model_dir: Path,
+    eng: dict,
+    port: int,
+    workdir: Path,
+    tenants: dict[str, str] | None = None,
+    controller: dict | None = None,
 ) -> Server:
     """`fairbatch serve --replicas 1` with these engine settings. `tenants`: name -> API key
-    (equal weights, the default limits; anonymous requests still run as `default`)."""
+    (equal weights, the default limits; anonymous requests still run as `default`);
+    `controller`: ControllerConfig settings other than the defaults."""
     import yaml
 
     app = {
@@ -166,6 +172,8 @@ def fairbatch_server(
     if tenants:
         app["tenants"] = [{"name": n, "api_key": k} for n, k in tenants.items()]
         app["allow_anonymous"] = True
+    if controller:
+        app["controller"] = dict(controller)
     cfg = workdir / "fairbatch.yaml"
     cfg.write_text(yaml.safe_dump(app, sort_keys=False))
     cmd = [
