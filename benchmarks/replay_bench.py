@@ -45,7 +45,6 @@ from fairbatch.benchmarks import servegen as sg
 from fairbatch.benchmarks import tenant_slo
 from fairbatch.benchmarks.serve_types import RequestResult, RequestSpec
 
-DEFAULT_DIR = "../shared/workloads/servegen/language/m-small"
 IDLE_REPS, IDLE_OUTPUT = 3, 16
 CALIBRATION_REQUESTS = 96
 WARMUP = 4

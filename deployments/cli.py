@@ -105,6 +105,9 @@ def _bench_serve(args: argparse.Namespace) -> int:
     if args.workload == "servegen":
         from fairbatch.benchmarks import replay_bench
 
+        if not args.servegen_dir:
+            args.parser.error("--workload servegen needs --servegen-dir DIR (ServeGen's data)")
+
         try:
             return replay_bench.run(args)
         except (ValueError, FileNotFoundError) as e:
@@ -257,8 +260,9 @@ def _add_bench_serve(bench_sub: argparse._SubParsersAction) -> None:
     )
     g.add_argument(
         "--servegen-dir",
-        default="../shared/workloads/servegen/language/m-small",
-        help="a ServeGen client directory (chunk-N-trace.csv, chunk-N-dataset.json)",
+        metavar="DIR",
+        help="--workload servegen: a ServeGen client directory (chunk-N-trace.csv, "
+        "chunk-N-dataset.json), e.g. data/language/m-small of github.com/alibaba/ServeGen",
     )
     g.add_argument(
         "--servegen-span",

@@ -276,14 +276,10 @@ class Scheduler:
                 break
             if self.loras is not None and not self.loras.can_start(request):
                 continue
-            computed, num_cached_tokens = self._cached_prefix(request)
-            remaining = request.num_tokens - request.num_computed_tokens - num_cached_tokens
-            n = min(remaining, budget)
-            if n < remaining and not self.config.enable_chunked_prefill:
-                break
-            new_ids = self.kv.allocate_slots(request, n, computed)
-            if new_ids is None:
-                break  # its seat stays kept until blocks free
+            start = self._plan_start(request, budget)
+            if start is None or start[1] is None:
+                break  # its seat stays kept until it fits
+            n, new_ids, num_cached_tokens = start
             self._admit(request, out, n, new_ids, num_cached_tokens)
             budget -= n
         return budget
@@ -314,12 +310,10 @@ class Scheduler:
                     return
                 budget = self.config.max_num_batched_tokens - out.total_num_scheduled_tokens
                 continue
-            computed, num_cached_tokens = self._cached_prefix(request)
-            remaining = request.num_tokens - request.num_computed_tokens - num_cached_tokens
-            n = min(remaining, budget)
-            if n < remaining and not self.config.enable_chunked_prefill:
+            start = self._plan_start(request, budget)
+            if start is None:
                 return
-            new_ids = self.kv.allocate_slots(request, n, computed)
+            n, new_ids, num_cached_tokens = start
             if new_ids is None:
                 if not self._preempt_lower(request, out):
                     return  # head-of-line waits: later requests never jump the policy's order
@@ -329,13 +323,23 @@ class Scheduler:
             budget -= n
             request = None
 
-    def _cached_prefix(self, request: Request) -> tuple[list[int], int]:
-        """The blocks and tokens of `request`'s prompt in the prefix cache."""
+    def _plan_start(
+        self, request: Request, budget: int
+    ) -> tuple[int, list[int] | None, int] | None:
+        """(tokens to compute, new block ids or None when blocks run short, prompt tokens found
+        in the prefix cache) to start the waiting `request` within `budget`; None when the rest
+        of its prompt exceeds the budget and chunked prefill is off."""
         if request.prompt_logprobs is not None and request.prompt_logprobs.num_missing:
             # Its prompt's log-probs need every position's logits, which cached blocks
             # never produced: compute the whole prompt (as vLLM does), once.
-            return [], 0
-        return self.kv.get_computed_blocks(request)
+            computed, num_cached_tokens = [], 0
+        else:
+            computed, num_cached_tokens = self.kv.get_computed_blocks(request)
+        remaining = request.num_tokens - request.num_computed_tokens - num_cached_tokens
+        n = min(remaining, budget)
+        if n < remaining and not self.config.enable_chunked_prefill:
+            return None
+        return n, self.kv.allocate_slots(request, n, computed), num_cached_tokens
 
     def _admit(
         self, request: Request, out: SchedulerOutput, n: int, new_ids, num_cached_tokens: int
