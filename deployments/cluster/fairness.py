@@ -302,8 +302,9 @@ class FairnessCore:
     def _preempt_for(self, t: Ticket, actions: list) -> None:
         """No slot anywhere and `t`, the head of the queue, waits. If some assigned request has
         a lower priority, preempt the cluster-wide victim and give its slot to `t`; else
-        (`fair_preemption`) if a queued tenant holds less than its share of the seats while
-        another holds more, preempt for that tenant's next request (preemption.py). The
+        (`fair_preemption`) if a queued tenant's requests all fit in its share of the seats
+        while another tenant holds more than its share, preempt for the former's next request
+        (preemption.py). The
         victim's replica keeps the seat for the request it gave way to."""
         counters = self.policy.counters_view()
         victim = self.preemption.victim(t.priority, counters)
@@ -322,9 +323,10 @@ class FairnessCore:
         actions.append(self._assign(t, r))
 
     def _fair_swap(self, counters) -> tuple[Ticket | None, Ticket | None]:
-        """(waiting, victim) for a fair preemption, or (None, None): the queued tenant
-        furthest under its share of the seats (by seats held / weight) whose next request
-        some over-share tenant's running request can give way to."""
+        """(waiting, victim) for a fair preemption, or (None, None): among the queued tenants
+        whose requests, assigned and queued, all fit in their share of the seats, the one
+        holding the fewest seats per weight whose next request some over-share tenant's
+        running request can give way to."""
         seats = sum(r.seats for r in self.replicas.values() if r.alive)
         held = self.preemption.held
         names = {*self._queued, *held}
@@ -333,7 +335,9 @@ class FairnessCore:
         if not seats or total <= 0:
             return None, None
         shares = {n: seats * w / total for n, w in weights.items()}
-        under = [n for n in self._queued if held.get(n, 0) + 1 <= shares[n]]
+        # Only a tenant whose whole demand (assigned + queued) fits in its share: a backlogged
+        # tenant gets its share through the queue's order; preempting for it would only churn.
+        under = [n for n in self._queued if held.get(n, 0) + self._queued[n] <= shares[n]]
         under.sort(key=lambda n: (held.get(n, 0) / weights[n], counters.get(n, 0.0), n))
         for name in under:
             waiting = self.policy.peek_tenant(name)

@@ -8,15 +8,16 @@ both asked only when the request at the head of the global queue finds no slot a
   it running before waiting (a waiting victim frees no seat), the tenant with the highest
   counter, the latest admitted.
 * **Fairness** (`fair_victim`): a running request of the same class whose tenant holds more
-  than its fair share of the cluster's seats, for a waiting request whose tenant holds less.
-  A tenant's share is the seats times its weight over the weights of the active tenants
-  (those with requests queued or assigned). Without it, a tenant under its share waits for a
-  seat until an over-share tenant's long request ends, however far over its share that
-  tenant is: seats, not the queue's fair order, then decide who is served. The swap is made
-  only while the waiting tenant stays within its share with the seat and the victim's tenant
-  stays at or above its share without it, so no two tenants can take a seat back and forth.
-  Victim: the tenant furthest over its share (seats / weight), then the highest counter, the
-  latest admitted.
+  than its fair share of the cluster's seats, for a waiting request of a tenant whose whole
+  demand (requests assigned and queued) fits in its own share. A tenant's share is the seats
+  times its weight over the weights of the active tenants (those with requests queued or
+  assigned). Without it, a tenant asking less than its share waits for a seat until an
+  over-share tenant's long request ends, however far over its share that tenant is: seats,
+  not the queue's fair order, then decide who is served. A backlogged tenant (more requests
+  than its share) never preempts: the queue's order gives it its share, and preempting for it
+  would only move seats back and forth. The victim's tenant stays at or above its share
+  without the seat. Victim: the tenant furthest over its share (seats / weight), then the
+  highest counter, the latest admitted.
 
 Assigned tickets are indexed by priority, so when nothing of a lower class is assigned the
 priority check is O(classes); a fair check is O(active tenants) and scans the waiting

@@ -24,8 +24,8 @@ class ControllerConfig:
     tenants: list[TenantSpec] = field(default_factory=list)
     local_queue: int = 2  # requests a replica may hold beyond its running seats ("fair")
     preemption: bool = True  # coordinated preemption for higher-priority waiting requests
-    # ... and for a waiting request whose tenant holds less than its share of the seats while
-    # another holds more (preemption.py): fairness decides who holds the seats too
+    # ... and for a waiting request whose tenant's requests all fit in its share of the seats
+    # while another tenant holds more (preemption.py): fairness decides who holds seats too
     fair_preemption: bool = True
     preempt_mode: str = "auto"  # "auto" | "swap" | "recompute"
     migrate_displaced: bool = True  # move a preempted request to a replica with room

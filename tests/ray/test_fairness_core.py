@@ -258,6 +258,18 @@ def test_fair_preemption_gives_a_tenant_under_its_share_of_the_seats_a_seat():
     assert core.stats()["preemptions"] == 2
 
 
+def test_a_backlogged_tenant_never_preempts_for_its_share():
+    """quiet asks for more than its 2 seats: the queue's order gives it its share as seats
+    free; preempting would only move seats back and forth."""
+    core, rep = fair_core(seats=4, noisy=1.0, quiet=1.0)
+    for i in range(4):
+        core.submit(meta(f"N{i}", tenant="noisy"))
+    for i in range(3):
+        core.submit(meta(f"Q{i}", tenant="quiet"))  # noisy's are not seen running yet
+    assert preempted(core.report(rep(active=running("N0", "N1", "N2", "N3", tenant="noisy")))) == []
+    assert core.stats()["queued_by_tenant"] == {"quiet": 3}
+
+
 def test_fair_shares_of_the_seats_follow_the_weights():
     core, rep = fair_core(seats=4, noisy=1.0, quiet=3.0)
     for i in range(5):
