@@ -62,7 +62,9 @@ def app_args() -> dict:
             "max_model_len": 512,
             "device": "cpu",
         },
-        controller={"local_queue": 0},
+        # fair preemption off: test_concurrent_streams_three_tenants holds both seats with
+        # blocker streams on purpose, to see the queue's order when a seat frees
+        controller={"local_queue": 0, "fair_preemption": False},
         tool_call_parser="hermes",  # tool_choice "auto" through `serve deploy`
         tenants=[
             *({"name": n, "api_key": KEYS[n], "weight": w} for n, w in WEIGHTS.items()),

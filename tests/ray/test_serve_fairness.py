@@ -81,6 +81,8 @@ def app_args(replicas: str = "tiny") -> dict:
             {"name": "p", "api_key": KEYS["p"], "priority": 10},
             {"name": "q", "api_key": KEYS["q"], "max_requests": 1},  # the refusal probe
         ],
+        # bounds the overload test reaches (the defaults are far higher)
+        "limits": {"max_requests_per_tenant": 64, "max_requests_total": 256},
         **REPLICAS[replicas],
     }
 
