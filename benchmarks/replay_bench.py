@@ -43,16 +43,13 @@ from typing import Any
 
 from fairbatch.benchmarks import servegen as sg
 from fairbatch.benchmarks import tenant_slo
+from fairbatch.benchmarks.serve_bench import tenant_key
 from fairbatch.benchmarks.serve_types import RequestResult, RequestSpec
 
 IDLE_REPS, IDLE_OUTPUT = 3, 16
 CALIBRATION_REQUESTS = 96
 WARMUP = 4
 HEAVY_PRIORITY, TAIL_PRIORITY = 1, 0  # vLLM's priority policy runs lower values first
-
-
-def tenant_key(name: str) -> str:
-    return f"bench-key-{name}"
 
 
 @dataclasses.dataclass
