@@ -183,8 +183,11 @@ class ServerPlan:
     priority: Callable[[str], int] | None  # tenant -> the `priority` field, None: not sent
 
 
-def server_plans(args: argparse.Namespace, mix: Mix, work: Path) -> tuple[list[ServerPlan], dict]:
-    """The servers of this command and the engine settings they share."""
+def server_plans(
+    args: argparse.Namespace, tenants: Sequence[str], heavy: Sequence[str], work: Path
+) -> tuple[list[ServerPlan], dict]:
+    """The servers of this command and the engine settings they share. `heavy`: the tenants
+    vLLM's priority policy gets labelled to run after the others."""
     if args.url:
         url = args.url.rstrip("/")
         return [ServerPlan("target", lambda: contextlib.nullcontext(url), None)], {}
@@ -193,7 +196,7 @@ def server_plans(args: argparse.Namespace, mix: Mix, work: Path) -> tuple[list[S
 
     model_dir = resolve_model(args.checkpoint or peer.DEFAULT_CHECKPOINT, args.dtype)
     eng = peer.engine_settings(args, model_dir)
-    keys = {t: tenant_key(t) for t in mix.tenants}
+    keys = {t: tenant_key(t) for t in tenants}
 
     def fairbatch(**controller: Any) -> Callable[[], contextlib.AbstractContextManager[str]]:
         return lambda: peer.fairbatch_server(
@@ -207,7 +210,7 @@ def server_plans(args: argparse.Namespace, mix: Mix, work: Path) -> tuple[list[S
         from fairbatch.benchmarks.peer.process import check_peer_python
 
         python = check_peer_python(args.peer_python)
-        heavy = set(mix.heavy)
+        heavy_set = set(heavy)
 
         def vllm(policy: str) -> Callable[[], contextlib.AbstractContextManager[str]]:
             log = work / f"vllm-{policy}.log"
@@ -220,7 +223,7 @@ def server_plans(args: argparse.Namespace, mix: Mix, work: Path) -> tuple[list[S
             ServerPlan(
                 "vllm-priority",
                 vllm("priority"),
-                lambda t: HEAVY_PRIORITY if t in heavy else TAIL_PRIORITY,
+                lambda t: HEAVY_PRIORITY if t in heavy_set else TAIL_PRIORITY,
             ),
             *plans,
         ]
@@ -297,12 +300,12 @@ def measure(
     saved = out / RUNS_FILE
     saved.write_text("")
     with tempfile.TemporaryDirectory(prefix="fairbatch-replay-") as tmp:
-        plans, engine = server_plans(args, mix, Path(tmp))
+        plans, engine = server_plans(args, mix.tenants, mix.heavy, Path(tmp))
         result["engine"] = engine
         for plan in plans:
             print(f"starting {plan.label}", file=sys.stderr, flush=True)
             with plan.start() as url:
-                model = asyncio.run(_model(url, args))
+                model = asyncio.run(served_model(url, args))
                 warm = [
                     dataclasses.replace(s, arrival_s=0.0) for s in mix.sample(4 * WARMUP, "warm-up")
                 ]
@@ -402,7 +405,7 @@ def run_sim(args: argparse.Namespace, mix: Mix, result: dict) -> int:
     return 0
 
 
-async def _model(url: str, args: argparse.Namespace) -> str:
+async def served_model(url: str, args: argparse.Namespace) -> str:
     from fairbatch.benchmarks.serve_client import probe
 
     return args.model or await probe(url, args.api_key) or "bench-model"

@@ -102,6 +102,10 @@ def _bench_cluster(args: argparse.Namespace) -> int:
 
 
 def _bench_serve(args: argparse.Namespace) -> int:
+    if args.workload == "noisy-victim":
+        from fairbatch.benchmarks import noisy_victim
+
+        return noisy_victim.run(args)
     if args.workload == "servegen":
         from fairbatch.benchmarks import replay_bench
 
@@ -254,9 +258,11 @@ def _add_bench_serve(bench_sub: argparse._SubParsersAction) -> None:
     )
     g.add_argument(
         "--workload",
-        choices=["servegen"],
-        help="replay ServeGen production clients as tenants, against fairbatch serve (and "
-        "vllm serve fcfs and priority with --peer vllm), at each of --loads",
+        choices=["servegen", "noisy-victim"],
+        help="servegen: replay ServeGen production clients as tenants, against fairbatch serve "
+        "(and vllm serve fcfs and priority with --peer vllm), at each of --loads; "
+        "noisy-victim: --concurrency streams of one tenant beside another's Poisson --rate of "
+        "short requests for --duration s, on the same servers (benchmarks/noisy_victim.py)",
     )
     g.add_argument(
         "--servegen-dir",
