@@ -6,6 +6,9 @@ token-bucket quotas (policies/tenants.py) and per-tenant service accounting, vir
 counters (VTC, policies/accounting.py), for every policy: even fcfs needs counters to choose
 victims and to report metrics.
 
+What a policy does beyond its order is declared on its class, and callers read only these:
+`wants_hit_length`, `preempts_lower_classes`; every policy has `clock` and `kv_shares()`.
+
 Single-threaded: the scheduler's loop is the only caller. Nothing here imports torch or ray.
 """
 
@@ -27,6 +30,10 @@ if TYPE_CHECKING:
 
 _NEVER = math.inf
 ORDERS_WITHIN_TENANT = ("fcfs", "edf")
+
+
+def _no_hits(req: Request) -> int:
+    return 0  # a module-level function, not a lambda: a policy stays picklable
 
 
 class Policy(TenantRegistry, Accounting, FlowAccounting, VictimChoice):
@@ -52,12 +59,16 @@ class Policy(TenantRegistry, Accounting, FlowAccounting, VictimChoice):
     The accounting contract is in policies/accounting.py, flows in policies/flows.py.
     """
 
-    name: ClassVar[str] = ""
+    name: ClassVar[str] = ""  # the registry's key (policies/registry.py); decides nothing
     # Whether charge() can change the answer of peek(); False spares a recompute per step.
     _order_uses_counters: bool = False
-    # Whether the policy orders by prefix-cache hits (dlpm, lpm): the scheduler then hands it
-    # `set_hit_length(fn)`, fn(request) = prompt tokens of the request cached now.
+    # Whether the policy orders by prefix-cache hits (dlpm, lpm): the scheduler and the
+    # controller then call `set_hit_length` and, when the cache moves, `hits_changed`.
     wants_hit_length: ClassVar[bool] = False
+    # Whether, on a replica, a waiting request of a strictly higher priority preempts a running
+    # one when seats or blocks are short (SchedulerConfig.priority_preemption overrides).
+    preempts_lower_classes: ClassVar[bool] = False
+    clock: Callable[[], float]  # read by quotas, aging and (by default) request deadlines
 
     def __init__(
         self,
@@ -77,6 +88,7 @@ class Policy(TenantRegistry, Accounting, FlowAccounting, VictimChoice):
                 f"got {order_within_tenant!r}"
             )
         self.order_within_tenant = order_within_tenant
+        self.hit_length: Callable[[Request], int] = _no_hits
         self._init_accounting(input_weight, output_weight)
         self._init_flows()
         self._init_registry(clock)
@@ -114,6 +126,18 @@ class Policy(TenantRegistry, Accounting, FlowAccounting, VictimChoice):
         swapped-out request's rank with `rank(peek())` to decide which one to resume first.
         """
         raise NotImplementedError
+
+    def set_hit_length(self, hit_length: Callable[[Request], int]) -> None:
+        """Use `hit_length(request)` (prompt tokens of it cached now) from now on."""
+        if not callable(hit_length):
+            raise TypeError(f"hit_length must be callable, got {hit_length!r}")
+        self.hit_length = hit_length
+        self._stale = True
+
+    def hits_changed(self) -> None:
+        """The cache behind `hit_length` moved outside a step (a replica reported to the
+        controller): the next peek looks again."""
+        self._stale = True
 
     # ---- waiting queue -------------------------------------------------------------------
 
@@ -221,7 +245,7 @@ class Policy(TenantRegistry, Accounting, FlowAccounting, VictimChoice):
         return REQUEUED if entry is None else entry.key[0]
 
     def _head(self) -> Entry | None:
-        if self._expiry != _NEVER and self._clock() >= self._expiry:
+        if self._expiry != _NEVER and self.clock() >= self._expiry:
             self._stale = True
         if self._stale:
             self._wake_throttled()

@@ -68,7 +68,7 @@ waits behind its tenant's requests that do.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from .priority import PriorityPolicy
@@ -96,11 +96,6 @@ def service_diff_bound(
     services per unit of weight of two backlogged tenants can grow apart over an interval."""
     per_request = input_weight * max_prompt + output_weight * max_output
     return 2 * (quantum + slots * per_request / min_weight)
-
-
-def no_hits(request: Request) -> int:
-    """The hit length without a prefix cache: nothing is cached."""
-    return 0
 
 
 class LpmOrder(Order):
@@ -145,7 +140,7 @@ class LpmOrder(Order):
         return self._best(self._eligible())
 
     def rank_key(self, req: Request, flag: int) -> tuple:
-        hit = self._policy.hit_length(req)  # type: ignore[attr-defined]
+        hit = self._policy.hit_length(req)
         return (flag, -hit, self._policy.place(req))
 
     def _eligible(self) -> list[str]:
@@ -154,7 +149,7 @@ class LpmOrder(Order):
         return [name for name in self._waiting if name not in throttled]
 
     def _best(self, tenants: Iterable[str]) -> Entry | None:
-        hit_length = self._policy.hit_length  # type: ignore[attr-defined]
+        hit_length = self._policy.hit_length
         best, best_key = None, None
         for name in tenants:
             for entry in self._waiting[name]:
@@ -241,25 +236,14 @@ class LpmPolicy(PriorityPolicy):
 
     name = "lpm"
     wants_hit_length = True
+    # Classes order the queue only: a higher class waits for a seat rather than preempting.
+    preempts_lower_classes = False
     inner_orders = {"lpm": LpmOrder}
 
     def __init__(
         self, tenants: Iterable[TenantSpec] = (), *, aging_s: float | None = None, **kw: Any
     ) -> None:
-        self.hit_length: Callable[[Request], int] = no_hits
         super().__init__(tenants, inner=self.name, aging_s=aging_s, **kw)
-
-    def set_hit_length(self, hit_length: Callable[[Request], int]) -> None:
-        """Use `hit_length(request)` (prompt tokens cached now) from now on."""
-        if not callable(hit_length):
-            raise TypeError(f"hit_length must be callable, got {hit_length!r}")
-        self.hit_length = hit_length
-        self._stale = True
-
-    def hits_changed(self) -> None:
-        """The cache behind `hit_length` moved outside a step (a replica reported to the
-        controller): the next peek looks again."""
-        self._stale = True
 
 
 class DlpmPolicy(LpmPolicy):

@@ -100,6 +100,7 @@ class PriorityPolicy(Policy):
     """
 
     name = "priority"
+    preempts_lower_classes = True
     # The inner orders by name (a subclass may offer others: dlpm, lpm).
     inner_orders: ClassVar[Mapping[str, type[Order]]] = INNER_ORDERS
 
@@ -127,14 +128,14 @@ class PriorityPolicy(Policy):
         """`.priority + floor(waited / aging_s)`; just `.priority` without aging."""
         if self.aging_s is None:
             return float(req.priority)
-        return float(req.priority + self._steps(req.arrival_time, self._clock()))
+        return float(req.priority + self._steps(req.arrival_time, self.clock()))
 
     def rank(self, req: Request) -> tuple:
         self.tenant(req.tenant)
         level = self._class(req.priority)
         effective = self.effective_priority(req)
         if self.aging_s is not None and len(level):
-            steps = self._steps(level.oldest_arrival(), self._clock())
+            steps = self._steps(level.oldest_arrival(), self.clock())
             effective = max(effective, float(req.priority + steps))
         return (-effective, -req.priority, *level.rank_key(req, self._flag(req)))
 
@@ -162,7 +163,7 @@ class PriorityPolicy(Policy):
 
     def _select_aged(self) -> Entry | None:
         assert self.aging_s is not None
-        now = self._clock()
+        now = self.clock()
         candidates: list[tuple[int, int, ClassOrder]] = []
         for priority in self._levels:
             level = self._classes[priority]

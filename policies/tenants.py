@@ -44,7 +44,7 @@ class TenantRegistry:
     """Registered tenants and their quotas (the `Policy` methods on tenants)."""
 
     def _init_registry(self, clock: Callable[[], float]) -> None:
-        self._clock = clock
+        self.clock = clock
         self._specs: dict[str, TenantSpec] = {}
         self._weights: dict[str, float] = {}  # name -> spec.weight (read per tenant per step)
         self._ring: dict[str, int] = {}  # registration number of each tenant (round robin)
@@ -108,24 +108,24 @@ class TenantRegistry:
     def quota_eligible(self, tenant: str) -> bool:
         """True if the tenant has no quota or its bucket is > 0 now."""
         bucket = self._buckets.get(tenant)
-        return bucket is None or bucket.level(self._clock()) > 0
+        return bucket is None or bucket.level(self.clock()) > 0
 
     def retry_after(self, tenant: str) -> float:
         """Seconds until the tenant's bucket is positive again; 0.0 if eligible or no quota."""
         bucket = self._buckets.get(tenant)
-        return 0.0 if bucket is None else bucket.retry_after(self._clock())
+        return 0.0 if bucket is None else bucket.retry_after(self.clock())
 
     def _consume(self, tenant: str, tokens: int) -> None:
         bucket = self._buckets.get(tenant)
         if bucket is not None:
-            now = self._clock()
+            now = self.clock()
             level = bucket.consume(tokens, now)
             if level <= 0 and tenant not in self._throttled:
                 self._throttle(tenant, bucket, now)
 
     def _set_quota(self, name: str, tokens_per_minute: float | None) -> None:
         bucket = self._buckets.get(name)
-        now = self._clock()
+        now = self.clock()
         if tokens_per_minute is None:
             self._buckets.pop(name, None)
         elif bucket is None or bucket.capacity != tokens_per_minute:
@@ -155,7 +155,7 @@ class TenantRegistry:
         """Move tenants whose buckets refilled out of the throttled set (cheap when none due)."""
         if not self._throttled:
             return
-        now = self._clock()
+        now = self.clock()
         if now < self._next_wake:
             return
         self._next_wake = _NEVER

@@ -1,39 +1,34 @@
-"""Victim choice of a `Policy`: which running request gives way when the scheduler preempts.
-
-`VictimChoice` is a part of `Policy` (policies/base.py): it reads the policy's counters.
+"""Who gives way when something must be preempted, on a replica (`VictimChoice`, a part of
+`Policy`) and at the controller (deployments/cluster/preemption.py): one rule, `victim_key`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from fairbatch.scheduler.request import Request
 
 
+def victim_key(req: Request, counters: Mapping[str, float], waiting: bool = False) -> tuple:
+    """Sort key of a preemption candidate (a request, or anything with its .priority, .tenant
+    and .seq); the smallest gives way first. The lowest priority; within it a running request
+    before a waiting one (a waiting one frees no seat); then the tenant with the highest
+    counter (the most served); then the latest admitted (highest .seq)."""
+    return (req.priority, waiting, -counters.get(req.tenant, 0.0), -req.seq)
+
+
 class VictimChoice:
-    """The `Policy` methods on preemption."""
+    """The `Policy` method on preemption."""
 
     def pick_victim(
         self, running: Iterable[Request], *, below_priority: int | None = None
     ) -> Request | None:
-        """The request to preempt: lowest .priority, then the tenant with the highest counter,
-        then the latest admission (highest .seq). With `below_priority`, only requests with
-        .priority < below_priority are candidates. None if there is no candidate.
-        """
+        """The running request to preempt by `victim_key`, or None if there is no candidate.
+        With `below_priority`, only requests with .priority < below_priority are candidates."""
         self._settle_all()
         counters = self._counters
-        victim = None
-        victim_key: tuple[int, float, int] | None = None
-        for req in running:
-            if below_priority is not None and req.priority >= below_priority:
-                continue
-            key = (req.priority, -counters.get(req.tenant, 0.0), -req.seq)
-            if victim_key is None or key < victim_key:
-                victim, victim_key = req, key
-        return victim
-
-    def effective_priority(self, req: Request) -> float:
-        """The request's priority as the policy uses it: `.priority` (plus aging in `priority`)."""
-        return float(req.priority)
+        if below_priority is not None:
+            running = [r for r in running if r.priority < below_priority]
+        return min(running, key=lambda r: victim_key(r, counters), default=None)

@@ -15,7 +15,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True  # a prompt may be split across steps
     preemption_mode: str = "auto"  # "auto" (cost model), "swap" or "recompute"
     # A waiting request of strictly higher priority preempts a running one when seats or blocks
-    # are short. None = on exactly for the `priority` policy (under fcfs, arrival order rules).
+    # are short. None = as the policy declares (`Policy.preempts_lower_classes`, priority only).
     priority_preemption: bool | None = None
     # Cost model for "auto": swap moves 2x the victim's K/V bytes (out and back in) over the
     # host link; recompute re-runs its computed tokens through prefill.

@@ -23,11 +23,11 @@ counters the step charges (policies/flows.py).
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 
 from fairbatch.kv.manager import KVCacheManager
+from fairbatch.policies import Policy
 from fairbatch.scheduler.charges import StepCharges
 from fairbatch.scheduler.config import SchedulerConfig
 from fairbatch.scheduler.deadlines import Deadlines
@@ -44,24 +44,20 @@ class Scheduler:
         self,
         config: SchedulerConfig,
         kv_manager: KVCacheManager,
-        policy,
+        policy: Policy,
         clock: Callable[[], float] | None = None,
     ) -> None:
         self.config = config
-        # The clock of request deadlines (default: the policy's, which quotas use)
-        self.clock = clock or getattr(policy, "_clock", time.monotonic)
+        self.clock = clock or policy.clock  # of request deadlines; by default the quotas' one
         self.kv = kv_manager
-        self.policy = policy  # the waiting queue and tenant accounting (policies.Policy)
-        if getattr(policy, "wants_hit_length", False):  # dlpm, lpm: order by cache hits
+        self.policy = policy  # the waiting queue and tenant accounting
+        if policy.wants_hit_length:
             policy.set_hit_length(self._hit_length)
-        kv_shares = policy.kv_shares() if hasattr(policy, "kv_shares") else {}
+        kv_shares = policy.kv_shares()
         if kv_shares:  # tenants' kept KV blocks (kv/block_pool.py; preemption.takeable)
             kv_manager.set_kv_shares(kv_shares)
-        self.priority_preemption = (
-            config.priority_preemption
-            if config.priority_preemption is not None
-            else getattr(policy, "name", "") == "priority"
-        )
+        preempt = config.priority_preemption
+        self.priority_preemption = policy.preempts_lower_classes if preempt is None else preempt
         capacity = kv_manager.gpu_pool.num_blocks * kv_manager.block_size
         # A lone request must always fit, or it would preempt itself forever.
         self.max_model_len = min(config.max_model_len, capacity)

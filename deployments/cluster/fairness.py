@@ -87,15 +87,12 @@ class FairnessCore:
         self._expiring: list[tuple[float, int, Ticket]] = []  # queued tickets with a deadline
         self.timed_out: dict[str, int] = {}  # tenant -> tickets dropped past a deadline
         self.rng = rng or random.Random(0)
-        kw = dict(config.policy_kwargs)
-        if config.policy == "priority":
-            kw.setdefault("inner", "weighted_fair")
         self.policy = make_policy(
             config.policy,
             config.tenants,
             input_weight=config.input_weight,
             output_weight=config.output_weight,
-            **kw,
+            **config.policy_kwargs,
         )
         locality = Locality(
             config.d2lpm_quantum,
@@ -106,8 +103,7 @@ class FairnessCore:
             {spec.name: spec.weight for spec in config.tenants},
         )
         self.placement = Placement(config.routing, self.rng, locality)
-        self._reads_hits = getattr(self.policy, "wants_hit_length", False)
-        if self._reads_hits:  # dlpm / lpm over the cluster: hits = prefixes replicas cache
+        if self.policy.wants_hit_length:  # over the cluster: hits = prefixes replicas cache
             self.policy.set_hit_length(self.placement.cached_prefix_tokens)
         self._queued_routing = config.routing in QUEUED_ROUTINGS
         self.replicas = self.placement.replicas  # replica id -> ReplicaState
@@ -449,7 +445,7 @@ class FairnessCore:
         r.loras = frozenset(rep.loras or ())
         if changed:
             self.placement.touch(r)
-        if self._reads_hits and (changed or rep.prefix_hashes is not None):
+        if self.policy.wants_hit_length and (changed or rep.prefix_hashes is not None):
             self.policy.hits_changed()  # hit lengths: cached prefixes where there is room
         self._track_spread()
         return self.dispatch()

@@ -4,9 +4,9 @@ displaced request goes once another replica has room.
 `Preemption` is part of `FairnessCore` (fairness.py), plain Python. Two reasons to give way,
 both asked only when the request at the head of the global queue finds no slot anywhere:
 
-* **Priority** (`victim`): an assigned request of a lower class. Lowest priority first; within
-  it running before waiting (a waiting victim frees no seat), the tenant with the highest
-  counter, the latest admitted.
+* **Priority** (`victim`): an assigned request of a lower class, chosen by the rule a replica
+  uses (`policies.victims.victim_key`): lowest priority first; within it running before waiting
+  (a waiting victim frees no seat), the tenant with the highest counter, the latest admitted.
 * **Fairness** (`fair_victim`): a running request of the same class whose tenant holds more
   than its fair share of the cluster's seats, for a waiting request of a tenant whose whole
   demand (requests assigned and queued) fits in its own share. A tenant's share is the seats
@@ -34,6 +34,7 @@ from collections.abc import Iterator, Mapping
 
 from fairbatch.deployments.cluster.placement import Placement, ReplicaState
 from fairbatch.deployments.cluster.tickets import Ticket
+from fairbatch.policies.victims import victim_key
 
 
 class Preemption:
@@ -66,22 +67,16 @@ class Preemption:
             del self.held[tenant]
 
     def victim(self, below: int, counters: Mapping[str, float]) -> Ticket | None:
-        """The cluster-wide victim among assigned requests of priority < `below`, or None."""
-        lower = [p for p in self.by_priority if p < below]
-        if not lower:
-            return None
-        best, best_key = None, None
-        for p in sorted(lower):
-            for t in self.by_priority[p].values():
-                if t.preempted or not t.seen:
-                    continue
-                # A waiting victim frees no seat: prefer running ones within the class.
-                key = (not t.running, -counters.get(t.tenant, 0.0), -t.seq)
-                if best_key is None or key < best_key:
-                    best, best_key = t, key
-            if best is not None:
-                return best
-        return None
+        """The cluster-wide victim among assigned requests of priority < `below` by the
+        replicas' rule (`victim_key`), or None."""
+        candidates = (
+            t
+            for p, level in self.by_priority.items()
+            if p < below
+            for t in level.values()
+            if not t.preempted and t.seen
+        )
+        return min(candidates, key=lambda t: victim_key(t, counters, not t.running), default=None)
 
     def fair_victim(
         self, waiting: Ticket, shares: Mapping[str, float], counters: Mapping[str, float]

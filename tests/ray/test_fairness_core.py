@@ -11,9 +11,11 @@ from fairbatch.deployments.cluster.fairness import (
     Migrate,
     Preempt,
 )
+from fairbatch.deployments.cluster.preemption import Preemption
+from fairbatch.deployments.cluster.tickets import Ticket
 from fairbatch.deployments.cluster.wire import ReplicaReport, RequestMeta
 from fairbatch.engine.sampling_params import LoRARequest, SamplingParams
-from fairbatch.policies import TenantSpec
+from fairbatch.policies import FcfsPolicy, TenantSpec
 
 
 def meta(rid: str, tenant: str = "a", priority: int = 0, n: int = 10, hashes=()) -> RequestMeta:
@@ -221,6 +223,24 @@ def test_coordinated_preemption_picks_the_cluster_wide_victim():
     # a slot frees on r0: the displaced request moves there before the queue is served
     actions = core.report(r0(finished=[("L", 10)]))
     assert [a for a in actions if isinstance(a, Migrate)] == [Migrate("H", "r1", "r0")]
+
+
+def test_the_controller_and_a_replica_choose_victims_by_one_rule():
+    counters = {"a": 5.0, "b": 10.0}
+    preemption, tickets = Preemption(), []
+    for rid, tenant, seq, priority in [("r1", "a", 1, 1), ("r2", "a", 2, 0), ("r3", "b", 3, 0)]:
+        t = Ticket(None, rid, tenant, priority)
+        t.seq, t.seen, t.running = seq, True, True
+        preemption.assigned(t)
+        tickets.append(t)
+    policy = FcfsPolicy()
+    policy.set_counters(counters)
+    for below in (1, 2):  # b is the most served in class 0: r3, whichever classes may yield
+        replica_choice = policy.pick_victim(tickets, below_priority=below)
+        assert preemption.victim(below, counters) is replica_choice is tickets[2]
+    assert preemption.victim(0, counters) is None
+    tickets[2].running = False  # waiting on its replica: it frees no seat, so r2 goes first
+    assert preemption.victim(1, counters) is tickets[1]
 
 
 def fair_core(seats: int = 4, **tenants: float) -> tuple[FairnessCore, Reporter]:

@@ -278,10 +278,8 @@ def test_num_cached_prefix_tokens_matches_get_computed_blocks_and_changes_nothin
 def test_scheduler_feeds_the_hit_length_only_to_policies_that_want_it() -> None:
     for name in POLICIES:
         sched = make_sched(name)
-        if name in ("dlpm", "lpm"):
-            assert sched.policy.hit_length == sched._hit_length
-        else:
-            assert not hasattr(sched.policy, "hit_length")
+        fed = sched.policy.hit_length == sched._hit_length
+        assert fed == (name in ("dlpm", "lpm")) == POLICIES[name].wants_hit_length
 
 
 @pytest.mark.parametrize("name", ["lpm", "dlpm"])

@@ -6,6 +6,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -472,6 +473,34 @@ def test_pick_victim_priority_then_counter_then_latest_seq() -> None:
 
 
 # ---- registry and isolation ------------------------------------------------------------------
+
+
+def test_each_policy_declares_what_it_does() -> None:
+    declared = {n: (c.wants_hit_length, c.preempts_lower_classes) for n, c in POLICIES.items()}
+    assert declared == {
+        "fcfs": (False, False),
+        "round_robin": (False, False),
+        "weighted_fair": (False, False),
+        "priority": (False, True),
+        "lpm": (True, False),
+        "dlpm": (True, False),
+    }
+    for cls in POLICIES.values():  # every policy has a clock and KV shares
+        clock = FakeClock()
+        p = cls([TenantSpec("a", kv_share=0.5), TenantSpec("b")], clock=clock)
+        assert p.clock is clock and p.kv_shares() == {"a": 0.5}
+        assert cls().clock is time.monotonic
+
+
+def test_no_caller_asks_a_policy_by_name_or_by_probing() -> None:
+    """What a policy does is read from its declarations (above), never from its name."""
+    root = Path(fairbatch.__file__).parent
+    needles = ("getattr(policy", "hasattr(policy", "getattr(self.policy", "hasattr(self.policy")
+    needles += ("policy.name ==", 'policy == "')
+    for sub in ("scheduler", "policies", "kv", "deployments/cluster", "engine"):
+        for path in (root / sub).rglob("*.py"):
+            text = path.read_text()
+            assert not [n for n in needles if n in text], path
 
 
 def test_make_policy_registry() -> None:

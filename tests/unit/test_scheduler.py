@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fairbatch.kv.manager import KVCacheManager
-from fairbatch.policies import TenantSpec, make_policy
+from fairbatch.policies import FcfsPolicy, PriorityPolicy, TenantSpec, make_policy
 from fairbatch.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
 from fairbatch.scheduler.fake_runner import FakeRunner, next_token
 from fairbatch.scheduler.preemption import preemption_mode
@@ -349,6 +349,37 @@ def test_priority_arrival_runs_next_step_when_seats_full():
     first = [t for u in updates if u.request_id == "high" for t in u.new_token_ids]
     got = run_to_end(sched, runner)
     assert first + got["high"] == reference_tokens([4, 5], 3)
+
+
+class PreemptingFcfs(FcfsPolicy):
+    name = "custom"
+    preempts_lower_classes = True
+
+
+class NamedPriority(PriorityPolicy):  # the name decides nothing: the declaration does
+    preempts_lower_classes = False
+
+
+@pytest.mark.parametrize(
+    "policy, config, preempts",
+    [
+        (PreemptingFcfs, None, True),
+        (NamedPriority, None, False),
+        (PreemptingFcfs, False, False),
+        (NamedPriority, True, True),
+    ],
+)
+def test_lower_class_preemption_follows_the_declaration(policy, config, preempts):
+    kv = KVCacheManager(64, 4, enable_prefix_caching=True)
+    cfg = SchedulerConfig(max_num_seqs=1, max_model_len=1024, priority_preemption=config)
+    sched = Scheduler(cfg, kv, policy())
+    runner = FakeRunner(VOCAB)
+    sched.add_request(Request("low", [1, 2, 3], max_tokens=50, priority=0))
+    step(sched, runner)
+    sched.add_request(Request("high", [4, 5], max_tokens=3, priority=5))
+    out, _ = step(sched, runner)
+    assert out.preempted_recompute == (["low"] if preempts else [])
+    assert ("high" in out.num_scheduled_tokens) == preempts
 
 
 def test_equal_priority_does_not_preempt():
