@@ -7,6 +7,8 @@ the tenant is eligible again once the debt has refilled and the level is strictl
 
 from __future__ import annotations
 
+import math
+
 
 class TokenBucket:
     """A token bucket read and written at caller-supplied times (the policy's injected clock)."""
@@ -42,3 +44,50 @@ class TokenBucket:
         """
         level = self.level(now)
         return 0.0 if level > 0 else max(0.0, -level / self.rate)
+
+
+class Rejected(Exception):
+    """Admission refused: `status` 429 (a tenant's quota or in-flight bound) or 503 (the
+    total bound), `code` naming which, with a Retry-After in whole seconds (>= 1)."""
+
+    def __init__(self, status: int, code: str, message: str, retry_after: int) -> None:
+        super().__init__(status, code, message, retry_after)  # args: it pickles across Ray
+        self.status, self.code, self.message, self.retry_after = status, code, message, retry_after
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def refusal(
+    tenant: str,
+    bucket: TokenBucket | None,
+    in_flight: int,
+    bound: int,
+    total_in_flight: int,
+    total_bound: int,
+    retry_after_s: int,
+    now: float,
+) -> Rejected | None:
+    """The admission rule, for whoever sees every request of the tenants it admits (the
+    ingress of one server; the controller of a cluster): over quota (an empty bucket) or at
+    the tenant's in-flight `bound` -> 429, at `total_bound` -> 503; None admits."""
+    if bucket is not None and bucket.level(now) <= 0:
+        wait = max(1, math.ceil(bucket.retry_after(now)))
+        return Rejected(
+            429,
+            "quota_exceeded",
+            f"tenant {tenant!r} is over its quota of {bucket.capacity:g} tokens per minute; "
+            f"retry in {wait} s",
+            wait,
+        )
+    if in_flight >= bound:
+        return Rejected(
+            429,
+            "tenant_queue_full",
+            f"tenant {tenant!r} already has {in_flight} requests in flight (the limit is "
+            f"{bound}); retry later",
+            retry_after_s,
+        )
+    if total_in_flight >= total_bound:
+        return Rejected(503, "server_busy", "the server is at capacity; retry later", retry_after_s)
+    return None

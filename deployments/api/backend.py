@@ -29,9 +29,11 @@ Backend protocol (duck-typed; only `generate`, `abort`, `tokenizer`, `max_model_
 * `tokenizer`: a `fairbatch.engine.tokenizer.Tokenizer` (encode, decode, apply_chat_template,
   eos_token_ids). The API tokenizes; the backend receives token ids only.
 * `max_model_len`: prompt + completion tokens one request may hold.
-* optional `update_tenant(name, weight, priority, tokens_per_minute)` (sync or async): the
-  tenant's complete new settings, called at app start-up for every configured tenant and on
-  every admin change. `tokens_per_minute` None = unlimited.
+* optional `update_tenant(name, weight, priority, tokens_per_minute, max_requests)` (sync or
+  async): the tenant's complete new settings, called at app start-up for every configured
+  tenant and on every admin change. `tokens_per_minute` None = unlimited; `max_requests` None
+  = the default bound. A backend shared by several ingresses enforces the limits over all of
+  them and refuses a request over one by raising `policies.quota.Rejected` from its stream.
 * optional `check_health()` (sync or async) -> bool: False or an exception makes /health 503.
 * optional `check_lora(lora)` (sync or async): read and validate a `LoRARequest`'s adapter as
   the engines would serve it; a ValueError saying why not. Without it the backend serves no
@@ -138,10 +140,16 @@ class LocalBackend:
         return await self.engine.abort(request_id)
 
     async def update_tenant(
-        self, name: str, weight: float, priority: int, tokens_per_minute: float | None
+        self,
+        name: str,
+        weight: float,
+        priority: int,
+        tokens_per_minute: float | None,
+        max_requests: int | None,
     ) -> None:
-        # The ingress enforces quotas at admission; the engine's policy gets the share and the
-        # class (a second bucket in the scheduler would throttle already admitted streams).
+        # The ingress (this server's only one) enforces the limits at admission; the engine's
+        # policy gets the share and the class (a second bucket in the scheduler would throttle
+        # already admitted streams).
         policy = self.engine.engine.scheduler.policy
         await self.engine.call(policy.update_tenant, name, weight=weight, priority=priority)
 

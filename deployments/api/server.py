@@ -72,10 +72,12 @@ def _unauthorized(message: str) -> ApiError:
 class _Api:
     """The state behind the routes: backend, config, tenants."""
 
-    def __init__(self, backend: Any, config: AppConfig, clock: Callable[[], float]) -> None:
+    def __init__(
+        self, backend: Any, config: AppConfig, clock: Callable[[], float], shared_limits: bool
+    ) -> None:
         self.config = config
         self.limits = config.limits
-        self.registry = TenantRegistry(config, clock)
+        self.registry = TenantRegistry(config, clock, enforce=not shared_limits)
         self.metrics = ApiMetrics()
         if config.anonymous_risk is not None:
             log.warning("%s", config.anonymous_risk)
@@ -130,7 +132,9 @@ class _Api:
     async def push_tenant(self, t: TenantState) -> None:
         hook = getattr(self.backend, "update_tenant", None)
         if hook is not None:
-            await maybe_await(hook(t.name, t.weight, t.priority, t.tokens_per_minute))
+            await maybe_await(
+                hook(t.name, t.weight, t.priority, t.tokens_per_minute, t.max_requests)
+            )
 
     # -- prompts -------------------------------------------------------------------------------
 
@@ -229,14 +233,18 @@ class _Api:
         try:
             return self.registry.admit(tenant, rid, n_prompt, S.now())
         except Rejected as r:
-            log.info("rejected tenant=%s status=%d code=%s", tenant.name, r.status, r.code)
-            raise ApiError(
-                r.status,
-                r.message,
-                type="rate_limit_error" if r.status == 429 else "server_error",
-                code=r.code,
-                headers={"Retry-After": str(r.retry_after)},
-            ) from None
+            raise self.rejection(tenant, r) from None
+
+    @staticmethod
+    def rejection(tenant: TenantState, r: Rejected) -> ApiError:
+        log.info("rejected tenant=%s status=%d code=%s", tenant.name, r.status, r.code)
+        return ApiError(
+            r.status,
+            r.message,
+            type="rate_limit_error" if r.status == 429 else "server_error",
+            code=r.code,
+            headers={"Retry-After": str(r.retry_after)},
+        )
 
     async def launch(
         self, request: Request, tenant: TenantState, prefix: str, jobs: list[tuple[list, Any]]
@@ -330,6 +338,10 @@ class _Api:
             if isinstance(e, ClientGone):
                 self.finish_log(ticket, "client_gone")
                 raise
+            if isinstance(e, Rejected):  # over a cluster-wide limit (the controller's)
+                self.registry.refund(ticket)
+                self.registry.count_rejection(ticket.tenant)
+                raise self.rejection(ticket.tenant, e) from None
             if isinstance(e, ValueError):
                 self.registry.refund(ticket)
                 raise bad_request(str(e)[:500]) from None
@@ -364,16 +376,19 @@ def create_app(
     config: AppConfig | dict | None = None,
     *,
     clock: Callable[[], float] = time.monotonic,
+    shared_limits: bool = False,
 ) -> FastAPI:
     """The OpenAI-compatible app over `backend` (see `openai_api` for the protocol).
 
     `backend` may be None: the API answers 503 until `bind_backend(app, backend)`.
     `config`: an `AppConfig` or its dict form (None = the embedded default: anonymous access,
-    no admin key). `clock` drives the quota buckets (tests inject one).
+    no admin key). `clock` drives the quota buckets (tests inject one). `shared_limits`: the
+    backend serves several ingresses and enforces the tenants' quotas and in-flight bounds over
+    all of them (a cluster's controller); this app then leaves them to it.
 
     `app.state.api` holds the live state; `app.state.registry` the tenants and counters.
     """
-    api = _Api(backend, parse_config(config), clock)
+    api = _Api(backend, parse_config(config), clock, shared_limits)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import copy
 import hmac
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fairbatch.deployments.api.config import AppConfig, TenantConfig, sha256_hex
-from fairbatch.policies.quota import TokenBucket
+from fairbatch.policies.quota import Rejected, TokenBucket, refusal
+
+__all__ = ["Admission", "AuthError", "Rejected", "TenantRegistry", "TenantState"]
 
 # Bearer tokens that OpenAI-compatible clients send when they have no key: anonymous.
 NO_KEY_TOKENS = frozenset({"", "EMPTY", "none", "None"})
@@ -33,19 +34,6 @@ NO_KEY_TOKENS = frozenset({"", "EMPTY", "none", "None"})
 
 class AuthError(Exception):
     """Missing or unknown API key (401)."""
-
-
-@dataclass
-class Rejected(Exception):
-    """Admission refused: `status` 429 (tenant quota or bound) or 503 (global bound)."""
-
-    status: int
-    code: str  # "quota_exceeded" | "tenant_queue_full" | "server_busy"
-    message: str
-    retry_after: int  # whole seconds, >= 1
-
-    def __str__(self) -> str:
-        return self.message
 
 
 @dataclass
@@ -131,8 +119,13 @@ class Admission:
 
 
 class TenantRegistry:
-    def __init__(self, config: AppConfig, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, config: AppConfig, clock: Callable[[], float] = time.monotonic, enforce: bool = True
+    ) -> None:
+        """`enforce` False: quotas and in-flight bounds are the backend's to enforce (over
+        every ingress); admission here only counts and charges."""
         self._clock = clock
+        self.enforce = enforce
         self.limits = config.limits
         self.allow_anonymous = config.allow_anonymous
         self.anonymous = config.anonymous_tenant
@@ -224,32 +217,14 @@ class TenantRegistry:
         self, tenant: TenantState, request_id: str, prompt_tokens: int, created: int
     ) -> Admission:
         """Admit a request or raise Rejected. On success the prompt is charged."""
-        retry = self.limits.retry_after_s
-        if tenant.bucket is not None:
-            now = self._clock()
-            if tenant.bucket.level(now) <= 0:
-                wait = max(1, math.ceil(tenant.bucket.retry_after(now)))
-                self._reject(tenant)
-                raise Rejected(
-                    429,
-                    "quota_exceeded",
-                    f"tenant {tenant.name!r} is over its quota of {tenant.tokens_per_minute:g} "
-                    f"tokens per minute; retry in {wait} s",
-                    wait,
-                )
-        bound = self.max_in_flight(tenant)
-        if tenant.in_flight >= bound:
-            self._reject(tenant)
-            raise Rejected(
-                429,
-                "tenant_queue_full",
-                f"tenant {tenant.name!r} already has {tenant.in_flight} requests in flight "
-                f"(the limit is {bound}); retry later",
-                retry,
-            )
-        if self.total_in_flight >= self.limits.max_requests_total:
-            self._reject(tenant)
-            raise Rejected(503, "server_busy", "the server is at capacity; retry later", retry)
+        refused = self.enforce and refusal(
+            tenant.name, tenant.bucket, tenant.in_flight, self.max_in_flight(tenant),
+            self.total_in_flight, self.limits.max_requests_total, self.limits.retry_after_s,
+            self._clock(),
+        )  # fmt: skip
+        if refused:
+            self.count_rejection(tenant)
+            raise refused
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
         ticket = Admission(request_id, tenant, self, created, prompt_tokens)
@@ -284,7 +259,7 @@ class TenantRegistry:
         if tenant.bucket is not None:
             tenant.bucket.consume(tokens, self._clock())
 
-    def _reject(self, tenant: TenantState) -> None:
+    def count_rejection(self, tenant: TenantState) -> None:
         tenant.requests_rejected += 1
         self.rejected_total += 1
 

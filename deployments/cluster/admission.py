@@ -61,6 +61,7 @@ class AdmissionBatcher:
         self.generation = 0
         self.pending: dict[str, _Pending] = {}
         self.outbox: list[RequestMeta] = []
+        self.ended: list[str] = []  # streams seen to end, told with the next submission
         self.kick = asyncio.Event()
         self.hurry = False  # a request of a class above 0 is in the outbox: no linger
         self.subscribed = asyncio.Event()
@@ -101,6 +102,13 @@ class AdmissionBatcher:
         finally:
             self.pending.pop(meta.request_id, None)
 
+    def end(self, request_id: str) -> None:
+        """The request's stream ended: the controller hears it with the next submission (its
+        replica's report tells it anyway; this is sooner where the next request follows)."""
+        if len(self.ended) >= 8 * self.max_batch:  # nobody submits: the reports will do
+            del self.ended[: self.max_batch]
+        self.ended.append(request_id)
+
     async def _flush_loop(self) -> None:
         delay = 0.05
         while True:
@@ -116,12 +124,13 @@ class AdmissionBatcher:
             batch = [m for m in batch if m.request_id in self.pending]  # not timed out
             if not batch:
                 continue
+            ended, self.ended = self.ended, []
             try:
                 if trace.ON:
                     for m in batch:
                         trace.mark(m.request_id, "submit_sent")
                 generation = self.generation
-                ref = self.controller().submit_many.remote(self.subscriber, batch)
+                ref = self.controller().submit_many.remote(self.subscriber, batch, ended)
                 held = await asyncio.wait_for(ref, timeout=30.0)
                 for rid in held if generation == self.generation else ():  # (not a dead one's)
                     p = self.pending.get(rid)
@@ -133,6 +142,7 @@ class AdmissionBatcher:
             except Exception as e:  # restarting: try again shortly
                 log.info("submit_many failed (%r); retrying", e)
                 self.outbox[:0] = batch
+                self.ended[:0] = ended
                 self.kick.set()
                 await asyncio.sleep(delay)
                 delay = min(1.0, delay * 2)

@@ -51,10 +51,15 @@ class ClientSide:
         # restart) is answered on the new stream, not on one nobody reads
         self._successor: dict[str, str] = {}
 
-    async def submit_many(self, subscriber: str, metas: list[RequestMeta]) -> list[str]:
+    async def submit_many(
+        self, subscriber: str, metas: list[RequestMeta], ended: list[str] = ()
+    ) -> list[str]:
         """Queue (or place) `metas` for `subscriber`'s stream. Returns their ids: the
-        client's acknowledgement that this controller holds them (queued or placed)."""
+        client's acknowledgement that this controller holds them (queued or placed).
+        `ended`: requests whose streams the client has seen end since its last call."""
         self._background()
+        if ended:
+            self.core.client_ended(ended)
         while subscriber in self._successor:
             subscriber = self._successor[subscriber]
         outbox = self._outbox(subscriber)

@@ -191,6 +191,9 @@ class ClusterClient:
                     finished = True
                     yield StreamItem([], "", True, "error", error=f"admission failed: {e!r}")
                     return
+                if assignment.refused is not None:  # over a cluster-wide limit
+                    finished = True
+                    raise assignment.refused
                 if assignment.finish_reason is not None:  # its queue deadline passed
                     finished = True
                     yield StreamItem([], "", True, assignment.finish_reason)
@@ -255,6 +258,8 @@ class ClusterClient:
                 link.early.pop(rid, None)
             if not finished:  # the caller went away: free the request wherever it is
                 await self._abandon(rid, handle)
+            elif self._batcher is not None:
+                self._batcher.end(rid)
 
     async def abort(self, request_id: str, timeout_s: float = 15.0) -> bool:
         """Cancel a request this client is streaming: the controller drops it (queued or

@@ -43,6 +43,7 @@ from fairbatch.deployments.cluster.fairness import (
     FairnessCore,
     Migrate,
     Preempt,
+    Refuse,
 )
 from fairbatch.deployments.cluster.replica import ReplicaConfig
 from fairbatch.deployments.cluster.replica_set import (
@@ -343,6 +344,9 @@ class Controller(ClientSide):
             elif isinstance(action, Expire):  # dropped from the queue: the caller ends it
                 rid = action.ticket.request_id
                 self._answer(rid, Assignment(rid, "", None, finish_reason=action.finish_reason))
+            elif isinstance(action, Refuse):  # over a cluster-wide limit: the caller raises
+                rid = action.request_id
+                self._answer(rid, Assignment(rid, "", None, refused=action.rejected))
             elif isinstance(action, Preempt):
                 handle = self.handles.get(action.replica_id)
                 if handle is not None:  # (spawned before the forwards below: it starts first)

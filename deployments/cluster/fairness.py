@@ -39,6 +39,7 @@ import random
 import time
 from collections.abc import Callable
 
+from fairbatch.deployments.cluster.limits import ClusterLimits
 from fairbatch.deployments.cluster.placement import (
     AFFINITY_PROBES,
     Locality,
@@ -54,6 +55,7 @@ from fairbatch.deployments.cluster.tickets import (
     Expire,
     Migrate,
     Preempt,
+    Refuse,
     Ticket,
 )
 from fairbatch.deployments.cluster.wire import RequestMeta
@@ -68,6 +70,7 @@ __all__ = [
     "FairnessCore",
     "Migrate",
     "Preempt",
+    "Refuse",
     "ReplicaState",
     "Ticket",
 ]
@@ -108,6 +111,7 @@ class FairnessCore:
         self._queued_routing = config.routing in QUEUED_ROUTINGS
         self.replicas = self.placement.replicas  # replica id -> ReplicaState
         self.preemption = Preemption()
+        self.limits = None if config.limits is None else ClusterLimits(config.limits, clock)
         self._seq = itertools.count(1)
         self.tickets: dict[str, Ticket] = {}  # queued or assigned
         self._queued: dict[str, int] = {}  # tenant -> requests in the global queue
@@ -145,7 +149,15 @@ class FairnessCore:
         rid = meta.request_id
         if rid in self.tickets:
             raise ValueError(f"duplicate request id {rid!r}")
+        if self.limits is not None:
+            if meta.attempt:  # admitted before, resubmitted: never refused now
+                self.limits.started(meta.tenant)
+            else:
+                refused = self.limits.admit(meta.tenant, meta.num_charged_prompt_tokens)
+                if refused is not None:
+                    return [Refuse(rid, refused)]
         t = Ticket(meta, rid, meta.tenant, meta.priority)
+        t.counted = self.limits is not None
         t.seq = next(self._seq)
         self.tickets[rid] = t
         self._watch_deadline(t)
@@ -190,7 +202,7 @@ class FairnessCore:
             self._refund(t, 0, never_ran=True)
 
     def _forget(self, t: Ticket) -> None:
-        self.tickets.pop(t.request_id, None)
+        self._untrack(t)
         self.preemption.displaced.pop(t.request_id, None)
         if t.replica is not None:
             r = self.replicas.get(t.replica)
@@ -454,9 +466,27 @@ class FairnessCore:
         """`t` (taken out of r.assigned) ended on r with `num_out` output tokens."""
         self.preemption.unassigned(t)
         self.placement.release_locality(t, r)
-        self.tickets.pop(t.request_id, None)
+        self._untrack(t)
         self.preemption.displaced.pop(t.request_id, None)
         self._refund(t, num_out)
+
+    def _untrack(self, t: Ticket) -> None:
+        if self.tickets.pop(t.request_id, None) is not None:
+            self._uncount(t)
+
+    def _uncount(self, t: Ticket) -> None:
+        if t.counted:
+            t.counted = False
+            self.limits.ended(t.tenant)
+
+    def client_ended(self, request_ids: list[str]) -> None:
+        """These requests' clients saw them end: out of the in-flight counts now, not at their
+        replicas' next reports (a client that sends its next request as one ends is not
+        refused for a request that is gone). The tickets stay until the reports."""
+        for rid in request_ids:
+            t = self.tickets.get(rid)
+            if t is not None:
+                self._uncount(t)
 
     def _refund(self, t: Ticket, num_out: int, never_ran: bool = False) -> None:
         """Give back the prepaid output not generated (and the prompt, if it never ran)."""
@@ -474,6 +504,9 @@ class FairnessCore:
             for tenant, (prefill, decode) in service.items():
                 if prefill or decode:
                     self.policy.charge(tenant, prefill, decode)
+        elif self.limits is not None:  # quotas charge output as it is produced
+            for tenant, (_, decode) in service.items():
+                self.limits.charge(tenant, decode - r.service.get(tenant, (0, 0))[1])
         r.service = dict(service)
 
     def _adopt(self, r: ReplicaState, active: dict[str, tuple[str, int, bool, int, int]]) -> bool:
@@ -490,6 +523,9 @@ class FairnessCore:
             if max_tokens > num_out:
                 self.policy.charge(tenant, 0, max_tokens - num_out)
             self.tickets[rid] = t
+            if self.limits is not None:
+                self.limits.started(tenant)
+                t.counted = True
             r.assigned[rid] = t
             self.preemption.assigned(t)
             changed = True

@@ -14,6 +14,7 @@ from typing import Any
 from fairbatch.deployments.cluster.channel import ActorOwner, owner_is_dead
 from fairbatch.deployments.cluster.controller import Controller
 from fairbatch.deployments.cluster.fairness import ControllerConfig
+from fairbatch.deployments.cluster.limits import TenantLimit
 from fairbatch.deployments.cluster.replica import Replica, ReplicaConfig
 from fairbatch.deployments.cluster.replica_set import ReplicaSet, ReplicaSpec
 from fairbatch.deployments.metrics import Deltas, get_metrics
@@ -76,9 +77,14 @@ class ClusterController(Controller):
                 log.info("ingress %s died without detaching: no longer counted", user)
                 self.users.pop(user, None)
 
-    async def update_tenant(self, name: str, weight: float, priority: int) -> None:
+    async def update_tenant(
+        self, name: str, weight: float, priority: int, limit: TenantLimit | None = None
+    ) -> None:
         """The global queue's tenant, and (in the background) every replica's in service; a
-        replacement starts with it (`_replica_config`)."""
+        replacement starts with it (`_replica_config`). `limit`: its cluster-wide quota and
+        in-flight bound, where the controller enforces limits."""
+        if limit is not None and self.core.limits is not None:
+            self.core.limits.set_tenant(name, limit)
         self._tenant_updates[name] = (weight, priority)
         self.core.policy.update_tenant(name, weight=weight, priority=priority)
         self._apply(self.core.dispatch())

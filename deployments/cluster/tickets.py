@@ -9,8 +9,10 @@ import math
 import time
 from dataclasses import dataclass, field
 
+from fairbatch.deployments.cluster.limits import LimitsSpec
 from fairbatch.deployments.cluster.wire import RequestMeta
 from fairbatch.policies import TenantSpec
+from fairbatch.policies.quota import Rejected
 
 ROUTINGS = ("fair", "d2lpm", "round_robin", "power_of_two", "prefix_affinity")
 QUEUED_ROUTINGS = ("fair", "d2lpm")  # one global queue; the others route at once
@@ -41,6 +43,8 @@ class ControllerConfig:
     d2lpm_quantum: float = 8192.0
     d2lpm_min_match: float = 0.5
     d2lpm_load_slack: int = 2
+    # tenants' quotas and in-flight bounds over every ingress (limits.py); None: none here
+    limits: LimitsSpec | None = None
 
     def __post_init__(self) -> None:
         if self.routing not in ROUTINGS:
@@ -75,6 +79,7 @@ class Ticket:
         "locality",
         "deadline",
         "queue_deadline",
+        "counted",
     )
 
     def __init__(self, meta: RequestMeta | None, request_id: str, tenant: str, priority: int):
@@ -94,6 +99,7 @@ class Ticket:
         # in the controller's clock (inf: none): a queued ticket leaves at the earlier one
         self.deadline = math.inf
         self.queue_deadline = math.inf
+        self.counted = False  # in its tenant's cluster-wide in-flight count (limits.py)
 
 
 @dataclass
@@ -102,6 +108,14 @@ class Expire:
 
     ticket: Ticket
     finish_reason: str = "timeout"
+
+
+@dataclass
+class Refuse:
+    """Over a tenant's cluster-wide limit (limits.py): answered at once, never queued."""
+
+    request_id: str
+    rejected: Rejected
 
 
 @dataclass

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fairbatch.engine.sampling_params import SamplingParams
+from fairbatch.policies.quota import Rejected
 
 FIRST_ONLY = ("prompt_logprobs", "num_cached_tokens")  # StreamItem fields a request gets once
 
@@ -99,6 +100,9 @@ class Assignment:
     # set when the request left the controller's queue without a replica: "timeout" (its
     # queue deadline passed); the caller ends its stream with it
     finish_reason: str | None = None
+    # set when the controller refused it (a tenant's cluster-wide quota or bound, limits.py):
+    # the caller raises it
+    refused: Rejected | None = None
 
 
 @dataclass

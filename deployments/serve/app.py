@@ -26,7 +26,7 @@ APP_NAME = "fairbatch"  # the Serve application name the docs and `get_app_handl
 ENGINES = ("tiny", "sim")  # besides a model directory
 
 
-def _dataclass_fields(cls: type, exclude: tuple[str, ...] = ("tenants",)) -> set[str]:
+def _dataclass_fields(cls: type, exclude: tuple[str, ...] = ("tenants", "limits")) -> set[str]:
     return {f.name for f in dataclasses.fields(cls) if f.name not in exclude}
 
 
@@ -160,8 +160,15 @@ class ServeAppConfig(AppConfig):
 
     def controller_config(self) -> Any:
         from fairbatch.deployments.cluster.fairness import ControllerConfig
+        from fairbatch.deployments.cluster.limits import LimitsSpec, TenantLimit
 
-        return ControllerConfig(**self.controller)
+        limits = LimitsSpec(
+            {t.name: TenantLimit(t.tokens_per_minute, t.max_requests) for t in self.tenants},
+            self.limits.max_requests_per_tenant,
+            self.limits.max_requests_total,
+            self.limits.retry_after_s,
+        )
+        return ControllerConfig(**self.controller, limits=limits)
 
     def autoscaling_config(self) -> Any:
         from fairbatch.deployments.cluster.autoscaling import AutoscalingConfig

@@ -13,6 +13,7 @@ from typing import Any
 
 from fairbatch.deployments.cluster.client import ClusterClient
 from fairbatch.deployments.cluster.launch import ClusterHandles
+from fairbatch.deployments.cluster.limits import TenantLimit
 from fairbatch.deployments.metrics import RequestTimer, get_metrics
 from fairbatch.engine.core import RequestDelta
 from fairbatch.engine.sampling_params import SamplingParams
@@ -106,13 +107,19 @@ class ClusterBackend:
         return await self.client.abort(request_id, timeout_s=UPDATE_TIMEOUT_S)
 
     async def update_tenant(
-        self, name: str, weight: float, priority: int, tokens_per_minute: float | None
+        self,
+        name: str,
+        weight: float,
+        priority: int,
+        tokens_per_minute: float | None,
+        max_requests: int | None,
     ) -> None:
-        # Quotas are enforced at the ingress (at admission); the cluster gets share and class.
-        # The controller keeps the change (a replacement replica starts with it) and pushes it
-        # to every replica in service, so no handle here can be stale.
+        # The controller enforces the limits over every ingress (cluster/limits.py) and keeps
+        # share and class (a replacement replica starts with them), pushing those to every
+        # replica in service, so no handle here can be stale.
+        limit = TenantLimit(tokens_per_minute, max_requests)
         await asyncio.wait_for(
-            self.handles.controller.update_tenant.remote(name, weight, priority),
+            self.handles.controller.update_tenant.remote(name, weight, priority, limit),
             timeout=UPDATE_TIMEOUT_S,
         )
 

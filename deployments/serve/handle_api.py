@@ -228,6 +228,11 @@ class HandleApi:
                 yield chunk
                 if d.finished:
                     break
+        except Rejected as r:  # over a cluster-wide limit (the controller's)
+            api.registry.refund(ticket)
+            api.registry.count_rejection(tenant)
+            outcome = "rejected"
+            raise HandleRejected(r.status, r.code, r.message, r.retry_after) from None
         finally:
             api.registry.release(ticket)
             api.finish_log(ticket, outcome)

@@ -97,7 +97,7 @@ class FairbatchIngress(HandleApi):
         self.user = f"ingress-{uuid.uuid4().hex[:12]}"
         self.handles = None
         self._tasks: set[asyncio.Task] = set()
-        self.api_app = create_app(None, cfg)
+        self.api_app = create_app(None, cfg, shared_limits=True)  # the controller's
         tokenizer = load_tokenizer(cfg.model)
         replica_cfg = cfg.replica_config()
         n = resolve_num_replicas(cfg.initial_replicas(), cfg.num_gpus_per_replica)

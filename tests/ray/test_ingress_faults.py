@@ -1,11 +1,13 @@
-"""Reliability of the ingress tier (issue 7): an ingress replica killed while it streams, and
-prefix-cache sharing groups, through the served app over loopback HTTP.
+"""The ingress tier: an ingress replica killed while it streams, prefix-cache sharing groups,
+and tenants' limits that hold for the app, not per ingress replica, through the served app over
+loopback HTTP.
 
 One Ray (1 fake GPU, no dashboard) and one Serve app for the module: TWO ingress replicas
 (`ingress_replicas: 2`, the Serve proxy spreads requests over them) in front of one paced
 `sim` replica with 6 seats, no local queue (the controller's global queue holds the rest) and
 `stale_assignment_s: 5` (an assignment nobody picks up is dropped after 5 s). Tenants `a` and
-`b` share a prefix-cache group; `c` is in none.
+`b` share a prefix-cache group; `c` is in none; `m` may have 3 requests in flight and `q` has a
+quota of 600 tokens per minute, for the app as a whole.
 
 An ingress replica that dies takes its `ClusterClient`s with it, and Ray does not stop an
 actor's streaming generator when its caller dies: without the replicas' owner check
@@ -34,7 +36,9 @@ from ray import serve  # noqa: E402
 from fairbatch.deployments.cluster.launch import NAMESPACE  # noqa: E402
 from fairbatch.engine.tokenizer import Tokenizer  # noqa: E402
 
-KEYS = {"a": "sk-ing-a", "b": "sk-ing-b", "c": "sk-ing-c"}
+KEYS = {"a": "sk-ing-a", "b": "sk-ing-b", "c": "sk-ing-c", "m": "sk-ing-m", "q": "sk-ing-q"}
+MAX_REQUESTS = 3  # tenant m's in-flight bound
+QUOTA = 600  # tenant q's tokens per minute
 ADMIN = "sk-ing-admin"
 MODEL = "fairbatch-sim"
 SEATS = 6
@@ -73,6 +77,8 @@ def app_args() -> dict:
             {"name": "a", "api_key": KEYS["a"], "prefix_cache_group": "ab"},
             {"name": "b", "api_key": KEYS["b"], "prefix_cache_group": "ab"},
             {"name": "c", "api_key": KEYS["c"]},
+            {"name": "m", "api_key": KEYS["m"], "max_requests": MAX_REQUESTS},
+            {"name": "q", "api_key": KEYS["q"], "tokens_per_minute": QUOTA},
         ],
     }
 
@@ -314,4 +320,75 @@ def test_prefix_cache_group_shares_blocks_through_the_ray_app(served, replica_ch
     got = [send(t) for t in ("a", "b", "c")]
     print(f"prefix group through Ray: hits a, b, c = {got}")
     assert got == [0, (len(prompt) - 1) // 16 * 16, 0]
+    replica_check([served.cluster])
+
+
+# ---- 3. limits hold for the app, not per ingress replica --------------------------------------
+
+
+async def _post(client: httpx.AsyncClient, base: str, tenant: str, i: int, max_tokens: int):
+    body = {"model": MODEL, "prompt": prompt_ids(i), "max_tokens": max_tokens, "temperature": 0}
+    return await client.post(f"{base}/v1/completions", json=body, headers=auth(tenant))
+
+
+def test_in_flight_bound_holds_across_both_ingresses(served, replica_check):
+    """10 requests of m at once, spread over both ingresses by the proxy: exactly MAX_REQUESTS
+    run (each ingress alone would have let MAX_REQUESTS of its own through), the rest are
+    429 tenant_queue_full with a Retry-After."""
+
+    async def run() -> list:
+        async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S) as client:
+            return await asyncio.gather(
+                *(_post(client, served.base, "m", i, 60) for i in range(10))
+            )
+
+    got = asyncio.run(run())
+    ok = [r for r in got if r.status_code == 200]
+    refused = [r for r in got if r.status_code == 429]
+    assert len(ok) == MAX_REQUESTS and len(refused) == 10 - MAX_REQUESTS, [
+        (r.status_code, r.text[:200]) for r in got
+    ]
+    for r in refused:
+        assert r.json()["error"]["code"] == "tenant_queue_full"
+        assert int(r.headers["retry-after"]) >= 1
+    replica_check([served.cluster])
+
+
+def test_quota_holds_across_both_ingresses(served, replica_check):
+    """6 clients send q's requests (12 prompt + 8 output tokens) back to back for 10 s, over
+    both ingresses: the app admits the bucket (QUOTA) plus its refill while they run, plus at
+    most one request per client admitted while the bucket was still positive (charged its
+    output after) - not a bucket per ingress."""
+    per_request = 12 + 8
+    clients, seconds = 6, 10.0
+
+    async def client_loop(client: httpx.AsyncClient, k: int, t_end: float, out: list) -> None:
+        i = 0
+        while time.monotonic() < t_end:
+            r = await _post(client, served.base, "q", 1000 * k + i, 8)
+            out.append(r)
+            i += 1
+            if r.status_code == 429:
+                await asyncio.sleep(0.05)
+
+    async def run() -> tuple[list, float]:
+        out: list = []
+        t0 = time.monotonic()
+        async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S) as client:
+            await asyncio.gather(
+                *(client_loop(client, k, t0 + seconds, out) for k in range(clients))
+            )
+        return out, time.monotonic() - t0
+
+    got, elapsed = asyncio.run(run())
+    ok = [r for r in got if r.status_code == 200]
+    admitted = sum(r.json()["usage"]["total_tokens"] for r in ok)
+    refused = [r for r in got if r.status_code == 429]
+    bound = QUOTA + QUOTA / 60 * elapsed + clients * per_request
+    print(f"quota through 2 ingresses: {admitted} tokens admitted in {elapsed:.1f} s "
+          f"(bound {bound:.0f}), {len(refused)} refused")  # fmt: skip
+    assert {r.status_code for r in got} <= {200, 429}
+    assert QUOTA <= admitted <= bound
+    assert refused and all(r.json()["error"]["code"] == "quota_exceeded" for r in refused)
+    assert all(int(r.headers["retry-after"]) >= 1 for r in refused)
     replica_check([served.cluster])
