@@ -17,8 +17,10 @@ Measured per (N, system):
     server).
 
 Systems: fairbatch (global weighted-fair queue over cluster-wide counters, least-loaded routing
-with prefix affinity), rr_local_wfq (tenant-blind round robin, per-replica weighted fair queues),
-p2c_fcfs (power-of-two-choices routing, per-replica FCFS).
+with prefix affinity), fairbatch_limits (the same, with every tenant's quota and in-flight bound
+checked at admission and charged from reports, never refusing), rr_local_wfq (tenant-blind
+round robin, per-replica weighted fair queues), p2c_fcfs (power-of-two-choices routing,
+per-replica FCFS).
 
 Workload: tenants with weights 1, 2, 3, 4 (and a fifth of weight 1 with 4x longer outputs), each
 closed-loop with enough requests outstanding to stay backlogged; submitted in a fixed repeating
@@ -33,12 +35,19 @@ import time
 
 from fairbatch.benchmarks.sim_cluster import ServiceWindow, SimCluster, Workload, pct, vtc_bound
 from fairbatch.deployments.cluster.fairness import ControllerConfig, FairnessCore
+from fairbatch.deployments.cluster.limits import LimitsSpec, TenantLimit
 from fairbatch.deployments.cluster.wire import RequestMeta
 from fairbatch.engine.sampling_params import SamplingParams
 from fairbatch.policies import TenantSpec
 
 SYSTEMS = {
     "fairbatch": (dict(routing="fair", policy="weighted_fair"), "weighted_fair"),
+    # the same, every admission and report also through cluster-wide limits (quotas and
+    # bounds too high to refuse): what enforcing them costs the controller
+    "fairbatch_limits": (
+        dict(routing="fair", policy="weighted_fair", quotas=True),
+        "weighted_fair",
+    ),
     "rr_local_wfq": (dict(routing="round_robin", policy="weighted_fair"), "weighted_fair"),
     "p2c_fcfs": (dict(routing="power_of_two", policy="fcfs"), "fcfs"),
 }
@@ -47,6 +56,10 @@ SYSTEMS = {
 def run_one(num_replicas: int, system: str, wl: Workload) -> dict:
     ctrl_kw, local_policy = SYSTEMS[system]
     specs = [TenantSpec(name, weight=w) for name, w, _, _ in wl.tenants]
+    ctrl_kw = dict(ctrl_kw)
+    if ctrl_kw.pop("quotas", False):
+        unlimited = TenantLimit(tokens_per_minute=1e15)
+        ctrl_kw["limits"] = LimitsSpec({s.name: unlimited for s in specs}, 10**9, 10**9)
     core = FairnessCore(ControllerConfig(tenants=specs, **ctrl_kw), rng=random.Random(wl.seed))
     sim = SimCluster(core, wl)
     for i in range(num_replicas):

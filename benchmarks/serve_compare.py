@@ -59,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
         "locality": compare_locality,
         "summary": compare_summary,
         "serving-path": compare_serving_path,
+        "quota": compare_quota,
     }[args.compare]
     result: dict[str, Any] = {"kind": "compare", "compare": args.compare, "meta": B.meta(args)}
     out = B.out_dir(args)
@@ -68,6 +69,12 @@ def run(args: argparse.Namespace) -> int:
     print(text)
     print(f"\nwrote {wrote}" + "".join(f", {p}" for p in result.get("plots", [])))
     return 0
+
+
+def compare_quota(args: argparse.Namespace, result: dict, out: Path) -> str:
+    from fairbatch.benchmarks import quota_bench
+
+    return quota_bench.run(args, result, out)
 
 
 def compare_serving_path(args: argparse.Namespace, result: dict, out: Path) -> str:

@@ -365,7 +365,25 @@ def _add_bench_serve(bench_sub: argparse._SubParsersAction) -> None:
             "locality",
             "summary",
             "serving-path",
+            "quota",
         ],
+    )
+    g.add_argument(
+        "--ingresses",
+        default="1,2,4",
+        help="quota: the app's ingress replica counts to run (default 1,2,4)",
+    )
+    g.add_argument(
+        "--quota",
+        type=_positive(float),
+        default=6000.0,
+        help="quota: the tenant's tokens per minute (default 6000)",
+    )
+    g.add_argument(
+        "--over",
+        type=_positive(float),
+        default=3.0,
+        help="quota: offered load, multiples of the quota (default 3)",
     )
     g.add_argument(
         "--intervals",
@@ -553,7 +571,11 @@ def build_parser() -> argparse.ArgumentParser:
     clu.add_argument(
         "--replicas", type=int, nargs="+", default=[4, 16, 64], help="cluster sizes (N)"
     )
-    clu.add_argument("--systems", help="comma-separated subset of fairbatch,rr_local_wfq,p2c_fcfs")
+    clu.add_argument(
+        "--systems",
+        help="comma-separated subset of fairbatch,fairbatch_limits,rr_local_wfq,p2c_fcfs "
+        "(default: all)",
+    )
     clu.add_argument("--duration", type=float, default=12.0, help="virtual seconds per run")
     clu.add_argument(
         "--autoscale",
