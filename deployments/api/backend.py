@@ -29,9 +29,10 @@ Backend protocol (duck-typed; only `generate`, `abort`, `tokenizer`, `max_model_
 * `tokenizer`: a `fairbatch.engine.tokenizer.Tokenizer` (encode, decode, apply_chat_template,
   eos_token_ids). The API tokenizes; the backend receives token ids only.
 * `max_model_len`: prompt + completion tokens one request may hold.
-* optional `update_tenant(name, weight, priority, tokens_per_minute, max_requests)` (sync or
-  async): the tenant's complete new settings, called at app start-up for every configured
-  tenant and on every admin change. `tokens_per_minute` None = unlimited; `max_requests` None
+* optional `update_tenant(name, weight, priority, tokens_per_minute, max_requests, change)`
+  (sync or async): the tenant's complete new settings, called at app start-up for every
+  configured tenant (`change` False) and on every admin change (`change` True: a backend that
+  outlives the app may keep it). `tokens_per_minute` None = unlimited; `max_requests` None
   = the default bound. A backend shared by several ingresses enforces the limits over all of
   them and refuses a request over one by raising `policies.quota.Rejected` from its stream.
 * optional `check_health()` (sync or async) -> bool: False or an exception makes /health 503.
@@ -146,6 +147,7 @@ class LocalBackend:
         priority: int,
         tokens_per_minute: float | None,
         max_requests: int | None,
+        change: bool = False,
     ) -> None:
         # The ingress (this server's only one) enforces the limits at admission; the engine's
         # policy gets the share and the class (a second bucket in the scheduler would throttle

@@ -159,12 +159,12 @@ async def patch_tenant(name: str, request: Request) -> dict:
         clear_max_requests="max_requests" in patch.model_fields_set and patch.max_requests is None,
     )
     try:
-        await api.push_tenant(state)
+        await api.push_tenant(state, change=True)
     except Exception:
         log.error("backend refused the update of tenant %s", name, exc_info=True)
         restored = reg.restore(saved)
         try:  # a backend that took part of the update (some replicas) gets the old one back
-            await api.push_tenant(restored)
+            await api.push_tenant(restored, change=True)
         except Exception:
             log.error("could not push the restored tenant %s", name, exc_info=True)
         raise ApiError(502, "the backend refused the tenant update", type="server_error") from None

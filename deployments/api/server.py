@@ -129,11 +129,12 @@ class _Api:
         for t in self.registry.tenants.values():
             await self.push_tenant(t)
 
-    async def push_tenant(self, t: TenantState) -> None:
+    async def push_tenant(self, t: TenantState, change: bool = False) -> None:
+        """The tenant's settings to the backend: the config's, or an admin's `change`."""
         hook = getattr(self.backend, "update_tenant", None)
         if hook is not None:
             await maybe_await(
-                hook(t.name, t.weight, t.priority, t.tokens_per_minute, t.max_requests)
+                hook(t.name, t.weight, t.priority, t.tokens_per_minute, t.max_requests, change)
             )
 
     # -- prompts -------------------------------------------------------------------------------

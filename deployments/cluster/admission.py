@@ -61,7 +61,8 @@ class AdmissionBatcher:
         self.generation = 0
         self.pending: dict[str, _Pending] = {}
         self.outbox: list[RequestMeta] = []
-        self.ended: list[str] = []  # streams seen to end, told with the next submission
+        # (request id, output tokens) of streams seen to end, told with the next submission
+        self.ended: list[tuple[str, int]] = []
         self.kick = asyncio.Event()
         self.hurry = False  # a request of a class above 0 is in the outbox: no linger
         self.subscribed = asyncio.Event()
@@ -102,12 +103,13 @@ class AdmissionBatcher:
         finally:
             self.pending.pop(meta.request_id, None)
 
-    def end(self, request_id: str) -> None:
-        """The request's stream ended: the controller hears it with the next submission (its
-        replica's report tells it anyway; this is sooner where the next request follows)."""
+    def end(self, request_id: str, num_out: int) -> None:
+        """The request's stream ended with `num_out` output tokens: the controller hears it
+        with the next submission (its replica's report tells it anyway; this is sooner where
+        the next request follows)."""
         if len(self.ended) >= 8 * self.max_batch:  # nobody submits: the reports will do
             del self.ended[: self.max_batch]
-        self.ended.append(request_id)
+        self.ended.append((request_id, num_out))
 
     async def _flush_loop(self) -> None:
         delay = 0.05

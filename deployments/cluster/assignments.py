@@ -52,11 +52,12 @@ class ClientSide:
         self._successor: dict[str, str] = {}
 
     async def submit_many(
-        self, subscriber: str, metas: list[RequestMeta], ended: list[str] = ()
+        self, subscriber: str, metas: list[RequestMeta], ended: list[tuple[str, int]] = ()
     ) -> list[str]:
         """Queue (or place) `metas` for `subscriber`'s stream. Returns their ids: the
         client's acknowledgement that this controller holds them (queued or placed).
-        `ended`: requests whose streams the client has seen end since its last call."""
+        `ended`: (request id, output tokens) of the streams the client has seen end since its
+        last call."""
         self._background()
         if ended:
             self.core.client_ended(ended)

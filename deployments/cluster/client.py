@@ -259,7 +259,7 @@ class ClusterClient:
             if not finished:  # the caller went away: free the request wherever it is
                 await self._abandon(rid, handle)
             elif self._batcher is not None:
-                self._batcher.end(rid)
+                self._batcher.end(rid, len(delivered))
 
     async def abort(self, request_id: str, timeout_s: float = 15.0) -> bool:
         """Cancel a request this client is streaming: the controller drops it (queued or

@@ -39,7 +39,7 @@ import random
 import time
 from collections.abc import Callable
 
-from fairbatch.deployments.cluster.limits import ClusterLimits
+from fairbatch.deployments.cluster.limits import ClusterLimits, LimitsSpec
 from fairbatch.deployments.cluster.placement import (
     AFFINITY_PROBES,
     Locality,
@@ -158,6 +158,7 @@ class FairnessCore:
                     return [Refuse(rid, refused)]
         t = Ticket(meta, rid, meta.tenant, meta.priority)
         t.counted = self.limits is not None
+        t.charged_out = len(meta.output_ids)  # a resubmission's earlier output: charged before
         t.seq = next(self._seq)
         self.tickets[rid] = t
         self._watch_deadline(t)
@@ -436,6 +437,7 @@ class FairnessCore:
             if t is None and self._moving.get(rid) == r.replica_id:
                 self._left_while_moving[rid] = num_out  # the move's end, or a finish
             if t is not None:
+                self._charge_output(t, num_out)
                 self._ended(t, r, num_out)
                 changed = True
         if not r.synced:
@@ -446,6 +448,7 @@ class FairnessCore:
             state = rep.active.get(rid)
             if state is not None:
                 t.seen, t.running = True, state[2]
+                self._charge_output(t, state[4])
                 if t.preempted and t.running:
                     preemption.resumed(t)  # resumed where it was
             elif not t.seen and now - t.assigned_at > self.config.stale_assignment_s:
@@ -479,13 +482,31 @@ class FairnessCore:
             t.counted = False
             self.limits.ended(t.tenant)
 
-    def client_ended(self, request_ids: list[str]) -> None:
-        """These requests' clients saw them end: out of the in-flight counts now, not at their
-        replicas' next reports (a client that sends its next request as one ends is not
-        refused for a request that is gone). The tickets stay until the reports."""
-        for rid in request_ids:
+    def set_limits(self, spec: LimitsSpec) -> None:
+        """Enforce `spec` from now on; requests held now count in flight."""
+        if self.limits is not None:
+            self.limits.set_spec(spec)
+            return
+        self.limits = ClusterLimits(spec, self.clock)
+        for t in self.tickets.values():
+            self.limits.started(t.tenant)
+            t.counted = True
+
+    def _charge_output(self, t: Ticket, num_out: int) -> None:
+        """Quotas charge output as its replica reports it (and its client, when it ends)."""
+        if num_out > t.charged_out and self.limits is not None:
+            self.limits.charge(t.tenant, num_out - t.charged_out)
+            t.charged_out = num_out
+
+    def client_ended(self, ended: list[tuple[str, int]]) -> None:
+        """These requests' clients saw them end with this many output tokens: charged and out
+        of the in-flight counts now, not at their replicas' next reports (a client that sends
+        its next request as one ends is judged by what that one used). The tickets stay until
+        the reports."""
+        for rid, num_out in ended:
             t = self.tickets.get(rid)
             if t is not None:
+                self._charge_output(t, num_out)
                 self._uncount(t)
 
     def _refund(self, t: Ticket, num_out: int, never_ran: bool = False) -> None:
@@ -504,9 +525,6 @@ class FairnessCore:
             for tenant, (prefill, decode) in service.items():
                 if prefill or decode:
                     self.policy.charge(tenant, prefill, decode)
-        elif self.limits is not None:  # quotas charge output as it is produced
-            for tenant, (_, decode) in service.items():
-                self.limits.charge(tenant, decode - r.service.get(tenant, (0, 0))[1])
         r.service = dict(service)
 
     def _adopt(self, r: ReplicaState, active: dict[str, tuple[str, int, bool, int, int]]) -> bool:
@@ -523,6 +541,7 @@ class FairnessCore:
             if max_tokens > num_out:
                 self.policy.charge(tenant, 0, max_tokens - num_out)
             self.tickets[rid] = t
+            t.charged_out = num_out  # before this controller: not its buckets'
             if self.limits is not None:
                 self.limits.started(tenant)
                 t.counted = True

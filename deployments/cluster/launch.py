@@ -27,6 +27,7 @@ from fairbatch.deployments.cluster.fairness import ControllerConfig
 from fairbatch.deployments.cluster.managed import ClusterController, ClusterReplica
 from fairbatch.deployments.cluster.replica import ReplicaConfig
 from fairbatch.deployments.cluster.replica_set import ReplicaSet, ReplicaSpec
+from fairbatch.deployments.cluster.tenant_store import GcsKeyValue, TenantChanges
 
 log = logging.getLogger(__name__)
 
@@ -45,9 +46,11 @@ class ClusterSpec:
     autoscaling: AutoscalingConfig | None = None  # None: `replicas` is the cluster, fixed
 
     def cluster_id(self) -> str:
+        controller = asdict(self.controller)
+        controller.pop("limits")  # tenants' limits: each ingress sets them when it attaches
         settings: tuple = (
             [asdict(r) for r in self.replicas],
-            asdict(self.controller),
+            controller,
             self.num_gpus_per_replica,
         )
         if self.autoscaling is not None:
@@ -94,7 +97,12 @@ async def ensure_cluster(spec: ClusterSpec, timeout_s: float) -> ClusterHandles:
         max_restarts=-1,
         max_task_retries=-1,
         max_concurrency=10000,
-    ).remote(spec.controller, spec.metrics_interval_s, spec.replica_set(timeout_s))
+    ).remote(
+        spec.controller,
+        spec.metrics_interval_s,
+        spec.replica_set(timeout_s),
+        TenantChanges(GcsKeyValue(), f"tenants/{spec.name}"),  # per app: outlives the cluster
+    )
     replicas = await asyncio.wait_for(
         controller.ensure_replicas.remote(timeout_s), timeout=timeout_s + 30
     )

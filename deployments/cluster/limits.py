@@ -60,6 +60,13 @@ class ClusterLimits:
         for name, limit in spec.tenants.items():
             self.set_tenant(name, limit)
 
+    def set_spec(self, spec: LimitsSpec) -> None:
+        """New bounds and tenants' limits (an ingress attached with its config); counts and
+        buckets' levels stay."""
+        self.spec = spec
+        for name, limit in spec.tenants.items():
+            self.set_tenant(name, limit)
+
     def set_tenant(self, name: str, limit: TenantLimit) -> None:
         """Set a tenant's limits. A resized bucket keeps its level (debt included)."""
         old = self.buckets.pop(name, None)

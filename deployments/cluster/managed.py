@@ -14,9 +14,10 @@ from typing import Any
 from fairbatch.deployments.cluster.channel import ActorOwner, owner_is_dead
 from fairbatch.deployments.cluster.controller import Controller
 from fairbatch.deployments.cluster.fairness import ControllerConfig
-from fairbatch.deployments.cluster.limits import TenantLimit
+from fairbatch.deployments.cluster.limits import LimitsSpec, TenantLimit
 from fairbatch.deployments.cluster.replica import Replica, ReplicaConfig
 from fairbatch.deployments.cluster.replica_set import ReplicaSet, ReplicaSpec
+from fairbatch.deployments.cluster.tenant_store import TenantChanges, TenantSettings
 from fairbatch.deployments.metrics import Deltas, get_metrics
 from fairbatch.policies import TenantSpec
 
@@ -35,21 +36,27 @@ def _spawn(coro: Any, tasks: set) -> None:
 
 
 class ClusterController(Controller):
-    """The controller plus: tenant updates, ingress attach counting, periodic metrics. It owns
-    the replicas (`ensure_replicas`, replacement of dead ones); the last ingress to detach
-    stops them."""
+    """The controller plus: tenant updates (admin changes kept in `changes`, tenant_store.py),
+    ingress attach counting, periodic metrics. It owns the replicas (`ensure_replicas`,
+    replacement of dead ones); the last ingress to detach stops them."""
 
     def __init__(
         self,
         config: ControllerConfig,
         metrics_interval_s: float = 1.0,
         replicas: ReplicaSet | None = None,
+        changes: TenantChanges | None = None,
     ) -> None:
         super().__init__(config, replicas)
         self.users: dict[str, ActorOwner | None] = {}  # attached ingress -> its actor
         self.metrics_interval_s = metrics_interval_s
         self._metrics_task: asyncio.Task | None = None
         self._tenant_updates: dict[str, tuple[float, int]] = {}  # for replacement replicas
+        self.changes = changes or TenantChanges(None, "")
+        for name, s in self.changes.load().items():  # as they were before a restart
+            self._apply_tenant(
+                name, s.weight, s.priority, TenantLimit(s.tokens_per_minute, s.max_requests)
+            )
 
     async def attach(self, user: str, owner: ActorOwner | None = None) -> int:
         """Count an ingress in. With its actor (`owner`), an ingress that dies without
@@ -77,19 +84,48 @@ class ClusterController(Controller):
                 log.info("ingress %s died without detaching: no longer counted", user)
                 self.users.pop(user, None)
 
+    async def set_limits(self, spec: LimitsSpec) -> None:
+        """The tenants' quotas and bounds as the attaching ingress's config has them; admin
+        changes win over it."""
+        self.core.set_limits(spec)
+        for name, s in self.changes.tenants.items():
+            self.core.limits.set_tenant(name, TenantLimit(s.tokens_per_minute, s.max_requests))
+
     async def update_tenant(
-        self, name: str, weight: float, priority: int, limit: TenantLimit | None = None
+        self,
+        name: str,
+        weight: float,
+        priority: int,
+        limit: TenantLimit | None = None,
+        change: bool = False,
     ) -> None:
         """The global queue's tenant, and (in the background) every replica's in service; a
         replacement starts with it (`_replica_config`). `limit`: its cluster-wide quota and
-        in-flight bound, where the controller enforces limits."""
+        in-flight bound, where the controller enforces limits. `change`: an admin's change,
+        kept (it outlives restarts and wins over configs); else an ingress's config, which
+        gives way to a kept change."""
+        if change:
+            limit = limit or TenantLimit()
+            settings = TenantSettings(weight, priority, limit.tokens_per_minute, limit.max_requests)
+            self.changes.set(name, settings)
+        elif name in self.changes.tenants:
+            return
+        self._apply_tenant(name, weight, priority, limit)
+        self._apply(self.core.dispatch())
+        update = {name: (weight, priority)}
+        _spawn(self._push_tenants(list(self.handles.values()), update), self._tasks)
+
+    def _apply_tenant(
+        self, name: str, weight: float, priority: int, limit: TenantLimit | None
+    ) -> None:
         if limit is not None and self.core.limits is not None:
             self.core.limits.set_tenant(name, limit)
         self._tenant_updates[name] = (weight, priority)
         self.core.policy.update_tenant(name, weight=weight, priority=priority)
-        self._apply(self.core.dispatch())
-        update = {name: (weight, priority)}
-        _spawn(self._push_tenants(list(self.handles.values()), update), self._tasks)
+
+    async def tenant_changes(self, version: int = 0) -> tuple[int, dict] | None:
+        """The admin's changes if newer than `version`: (version, {tenant: TenantSettings})."""
+        return self.changes.since(version)
 
     async def _push_tenants(self, handles: list, updates: dict[str, tuple[float, int]]) -> None:
         calls = [h.update_tenant.remote(n, w, p) for h in handles for n, (w, p) in updates.items()]

@@ -80,6 +80,7 @@ class Ticket:
         "deadline",
         "queue_deadline",
         "counted",
+        "charged_out",
     )
 
     def __init__(self, meta: RequestMeta | None, request_id: str, tenant: str, priority: int):
@@ -100,6 +101,7 @@ class Ticket:
         self.deadline = math.inf
         self.queue_deadline = math.inf
         self.counted = False  # in its tenant's cluster-wide in-flight count (limits.py)
+        self.charged_out = 0  # output tokens charged to its tenant's quota (limits.py)
 
 
 @dataclass

@@ -113,13 +113,15 @@ class ClusterBackend:
         priority: int,
         tokens_per_minute: float | None,
         max_requests: int | None,
+        change: bool = False,
     ) -> None:
         # The controller enforces the limits over every ingress (cluster/limits.py) and keeps
         # share and class (a replacement replica starts with them), pushing those to every
-        # replica in service, so no handle here can be stale.
+        # replica in service, so no handle here can be stale. An admin's `change` it keeps
+        # across restarts, and every ingress picks it up (tenant_store.py).
         limit = TenantLimit(tokens_per_minute, max_requests)
         await asyncio.wait_for(
-            self.handles.controller.update_tenant.remote(name, weight, priority, limit),
+            self.handles.controller.update_tenant.remote(name, weight, priority, limit, change),
             timeout=UPDATE_TIMEOUT_S,
         )
 

@@ -28,6 +28,8 @@ from fairbatch.deployments.metrics import Deltas, get_metrics
 from fairbatch.deployments.serve.handle_api import HandleApi
 
 log = logging.getLogger("fairbatch.serve")
+TENANT_SYNC_S = 1.0  # how often an ingress picks up admin changes made through another one
+SYNC_TIMEOUT_S = 10.0
 
 
 def load_tokenizer(model: str) -> Any:
@@ -112,6 +114,8 @@ class FairbatchIngress(HandleApi):
         log.info("starting or joining cluster %s: %d x %s", spec.cluster_id(), n, cfg.model)
         self.handles = await ensure_cluster(spec, cfg.startup_timeout_s)
         await self.handles.controller.attach.remote(self.user, own_process())
+        # a cluster found running keeps its queue; the limits are this config's
+        await self.handles.controller.set_limits.remote(spec.controller.limits)
         self.backend = ClusterBackend(
             self.handles,
             tokenizer,
@@ -123,7 +127,10 @@ class FairbatchIngress(HandleApi):
             admission_timeout_s=cfg.admission_timeout_s,
             record_metrics=cfg.metrics_interval_s > 0,
         )
+        self._tenants_version = 0
+        await self._sync_tenants()  # admin changes kept by the controller win over the config
         await bind_backend(self.api_app, self.backend)
+        self._tasks.add(asyncio.get_running_loop().create_task(self._sync_tenants_loop()))
         if cfg.metrics_interval_s > 0:
             task = asyncio.get_running_loop().create_task(self._metrics_loop())
             self._tasks.add(task)
@@ -146,6 +153,33 @@ class FairbatchIngress(HandleApi):
     async def replica_handles(self) -> dict[str, Any]:
         """The replicas in service now (replacements included), from the controller."""
         return await self.handles.controller.replica_handles.remote()
+
+    async def _sync_tenants(self) -> None:
+        """Apply the admin changes the controller keeps, if any are newer than the last seen
+        (a PATCH served by another ingress, or made before this one started)."""
+        got = await asyncio.wait_for(
+            self.handles.controller.tenant_changes.remote(self._tenants_version), SYNC_TIMEOUT_S
+        )
+        if got is None:
+            return
+        self._tenants_version, changed = got
+        registry = self.api_app.state.registry
+        for name, s in changed.items():
+            if name in registry.tenants:
+                registry.update(
+                    name, weight=s.weight, priority=s.priority,
+                    tokens_per_minute=s.tokens_per_minute,
+                    clear_quota=s.tokens_per_minute is None, max_requests=s.max_requests,
+                    clear_max_requests=s.max_requests is None,
+                )  # fmt: skip
+
+    async def _sync_tenants_loop(self) -> None:
+        while True:
+            await asyncio.sleep(TENANT_SYNC_S)
+            try:
+                await self._sync_tenants()
+            except Exception as e:  # the controller is restarting: next time
+                log.info("tenant sync failed: %r", e)
 
     async def _metrics_loop(self) -> None:
         m = get_metrics()

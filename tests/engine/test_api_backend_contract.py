@@ -78,7 +78,7 @@ class ScriptedBackend:
             event.set()
         return event is not None
 
-    def update_tenant(self, name, weight, priority, tokens_per_minute, max_requests):
+    def update_tenant(self, name, weight, priority, tokens_per_minute, max_requests, change):
         if self.refuse_updates:
             raise RuntimeError("controller unreachable")
         self.tenant_updates.append((name, weight, priority, tokens_per_minute))

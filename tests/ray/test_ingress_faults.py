@@ -392,3 +392,60 @@ def test_quota_holds_across_both_ingresses(served, replica_check):
     assert refused and all(r.json()["error"]["code"] == "quota_exceeded" for r in refused)
     assert all(int(r.headers["retry-after"]) >= 1 for r in refused)
     replica_check([served.cluster])
+
+
+# ---- 4. admin changes reach every ingress and outlive restarts ----------------------------------
+
+
+def _tenant_views(base: str, name: str, n: int = 16) -> list[tuple]:
+    """(weight, max_requests) of `name` as n GET /admin/tenants calls through the proxy (which
+    spreads them over both ingresses) answer."""
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    views = []
+    for _ in range(n):
+        r = httpx.get(f"{base}/admin/tenants", headers=admin, timeout=30)
+        assert r.status_code == 200, r.text
+        t = next(t for t in r.json()["data"] if t["name"] == name)
+        views.append((t["weight"], t["max_requests"]))
+    return views
+
+
+def _sigkill(actor) -> None:
+    import os
+    import signal
+
+    pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=30)
+    os.kill(pid, signal.SIGKILL)
+
+
+def test_admin_change_reaches_every_ingress_and_outlives_restarts(served, replica_check):
+    """PATCH c through one ingress: within a sync period both ingresses show it; after the
+    controller is killed (Ray restarts it) its queue weighs c by it and its bound holds;
+    an ingress that starts later (a replacement for a killed one) shows it too."""
+    base, controller = served.base, served.cluster.controller
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    r = httpx.patch(f"{base}/admin/tenants/c", json={"weight": 2.5, "max_requests": 2},
+                    headers=admin, timeout=30)  # fmt: skip
+    assert r.status_code == 200, r.text
+    wait_for(lambda: set(_tenant_views(base, "c")) == {(2.5, 2)}, 10, "the change on both")
+
+    _sigkill(controller)
+    wait_for(lambda: ray.get(controller.tenants.remote(), timeout=10)["c"][0] == 2.5, 60,
+             "the restarted controller's weight for c")  # fmt: skip
+
+    async def three() -> list[int] | None:
+        async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S) as client:
+            got = await asyncio.gather(*(_post(client, base, "c", i, 60) for i in range(3)))
+        codes = sorted(r.status_code for r in got)
+        return codes if set(codes) <= {200, 429} else None  # (5xx: still restarting)
+
+    codes = wait_for(lambda: asyncio.run(three()), 60, "c served after the restart")
+    assert codes == [200, 200, 429], codes  # the bound of 2, from the kept change
+
+    victim = sorted(ingress_actors())[0]
+    _sigkill(ingress_actors()[victim])
+    wait_for(lambda: victim not in ingress_actors() and len(ingress_actors()) == INGRESSES, 120,
+             "a replacement ingress")  # fmt: skip
+    wait_for(lambda: ingress_running() == INGRESSES, 120, "both ingresses running")
+    assert set(_tenant_views(base, "c")) == {(2.5, 2)}
+    replica_check([served.cluster])

@@ -73,17 +73,19 @@ def test_quota_charges_prompts_at_admission_and_output_as_reported():
     clock = Clock()
     core = core_with(LimitsSpec({"a": TenantLimit(tokens_per_minute=60)}), clock)  # 1 tok/s
     assert kinds(core.submit(meta("q0", n=50))) == ["Assign"]  # 50 of 60 charged
-    # the replica reports 9 output tokens of a: level 60 - 50 - 9 = 1
-    core.report(report(2, active={"q0": ("a", 0, True, 50, 9)}, service={"a": (50, 9)}))
+    # the replica reports q0's 9 output tokens so far: level 60 - 50 - 9 = 1
+    core.report(report(2, active={"q0": ("a", 0, True, 50, 9)}))
     assert kinds(core.submit(meta("q1", n=1))) == ["Assign"]  # level 0 now
     refused = core.submit(meta("q2", n=1))
     assert kinds(refused) == ["Refuse"] and refused[0].rejected.code == "quota_exceeded"
-    core.report(report(3, active={"q0": ("a", 0, True, 50, 20)}, service={"a": (51, 20)}))
+    core.report(report(3, active={"q0": ("a", 0, True, 50, 20), "q1": ("a", 0, True, 1, 0)}))
     refused = core.submit(meta("q3", n=1))  # 11 more reported: in debt by 11, at 1 token/s
     assert refused[0].rejected.retry_after == 11
+    core.report(report(4, finished=[("q0", 20)], active={"q1": ("a", 0, True, 1, 0)}))
+    assert core.submit(meta("q3b", n=1))[0].rejected.retry_after == 11  # q0 charged once
     clock.t += 11.5
     assert kinds(core.submit(meta("q4", n=1))) == ["Assign"]
-    assert core.limits.rejected["a"] == 2
+    assert core.limits.rejected["a"] == 3
     assert kinds(core.submit(meta("b0", tenant="b", n=500))) == ["Assign"]  # b: no quota
 
 
@@ -117,9 +119,48 @@ def test_a_request_its_client_saw_end_stops_counting_before_the_report():
     for i in range(2):
         assert kinds(core.submit(meta(f"q{i}"))) == ["Assign"]
     assert kinds(core.submit(meta("q2"))) == ["Refuse"]
-    core.client_ended(["q0", "gone"])  # told with the client's next submission
+    core.client_ended([("q0", 10), ("gone", 3)])  # told with the client's next submission
     assert kinds(core.submit(meta("q3"))) == ["Assign"]
-    core.client_ended(["q0"])  # counted out once
+    core.client_ended([("q0", 10)])  # counted out once
     core.report(report(2, finished=[("q0", 10)]))  # the report then finds it: not again
     assert core.limits.in_flight["a"] == 2 and "q0" not in core.tickets
     assert kinds(core.submit(meta("q4"))) == ["Refuse"]
+
+
+def test_a_client_that_saw_its_output_is_charged_before_the_report():
+    clock = Clock()
+    core = core_with(LimitsSpec({"a": TenantLimit(tokens_per_minute=60)}), clock)
+    assert kinds(core.submit(meta("q0", n=20))) == ["Assign"]  # level 40
+    core.client_ended([("q0", 40)])  # all 40 of its output seen: level 0
+    assert core.submit(meta("q1", n=1))[0].rejected.code == "quota_exceeded"
+    core.report(report(2, finished=[("q0", 40)]))  # charged once
+    clock.t += 1.5
+    assert kinds(core.submit(meta("q2", n=1))) == ["Assign"]
+    # a resubmission's output from before the replica died was charged on the first attempt
+    again = dataclasses.replace(meta("q3", n=1), attempt=1, output_ids=[5] * 30)
+    core.submit(again)
+    core.report(report(3, active={"q3": ("a", 0, True, 31, 31)}))
+    clock.t += 1.0  # level 1.5 - 1 (q2) + 1 - 1 (q3's one new token) = 0.5
+    assert kinds(core.submit(meta("q4", n=1))) == ["Assign"]
+
+
+def test_limits_set_on_a_running_controller_count_what_it_holds():
+    core = FairnessCore(ControllerConfig(), clock=Clock())
+    core.report(report(1))
+    for i in range(3):
+        core.submit(meta(f"q{i}"))
+    core.set_limits(LimitsSpec({"a": TenantLimit(max_requests=3)}))
+    assert core.limits.in_flight["a"] == 3
+    assert kinds(core.submit(meta("q3"))) == ["Refuse"]
+    core.set_limits(LimitsSpec({"a": TenantLimit(max_requests=4)}))  # counts stay
+    assert kinds(core.submit(meta("q4"))) == ["Assign"]
+    assert kinds(core.submit(meta("q5"))) == ["Refuse"]
+
+
+def test_a_cluster_keeps_its_identity_when_only_limits_change():
+    from fairbatch.deployments.cluster.launch import ClusterSpec
+
+    a = ClusterSpec("c", [], ControllerConfig(limits=LimitsSpec({"a": TenantLimit(60)})))
+    b = ClusterSpec("c", [], ControllerConfig(limits=LimitsSpec(max_requests_total=9)))
+    c = ClusterSpec("c", [], ControllerConfig(local_queue=5))
+    assert a.cluster_id() == b.cluster_id() != c.cluster_id()
