@@ -41,6 +41,8 @@ Backend protocol (duck-typed; only `generate`, `abort`, `tokenizer`, `max_model_
   adapters. A request runs under an adapter when its `params.lora` names one.
 * optional `remove_lora(lora)` (sync or async): the adapter is no longer served; the engines
   may drop it once the requests under it have ended.
+* optional `lora_changed(name, lora, tenants)` (sync or async): an adapter loaded (`lora` None:
+  unloaded) through the admin API, for a backend shared by several ingresses to keep.
 * optional `stats()` (sync or async) -> dict: the engines' counters (`EngineCore.stats()`
   keys, summed over replicas), served to the admin at GET /admin/stats.
 """

@@ -58,6 +58,13 @@ class LoRARegistry:
         self._loads[entry.name] = self._loads.get(entry.name, 0) + 1
         self.entries[entry.name] = entry
 
+    def adopt(self, name: str, lora: LoRARequest, tenants: frozenset[str] | None) -> None:
+        """Serve an adapter loaded through another ingress, under the engine identity it got
+        there (a later load here of the same name gets a new one)."""
+        self.entries[name] = LoRAEntry(name, lora, tenants)
+        _, _, n = lora.name.partition("#")
+        self._loads[name] = max(self._loads.get(name, 0), int(n or 1))
+
     def remove(self, name: str) -> LoRAEntry:
         entry = self.entries.pop(name, None)
         if entry is None:

@@ -164,14 +164,31 @@ class _Api:
         entry = self.loras.entry(name, path, tenants)
         await self.check_lora(entry.lora)
         self.loras.add(entry)
+        try:
+            await self.lora_changed(name, entry.lora, entry.tenants)
+        except Exception:
+            self.loras.remove(name)
+            log.error("the backend did not keep LoRA adapter %s", name, exc_info=True)
+            raise ApiError(502, "the backend refused the adapter", type="server_error") from None
         log.info("loaded LoRA adapter %s from %s", name, path)
         return entry.public()
+
+    async def lora_changed(self, name: str, lora: Any, tenants: frozenset[str] | None) -> None:
+        """Tell a backend shared by several ingresses (the cluster's controller keeps it for
+        the others and for restarts): `lora` None, unloaded."""
+        hook = getattr(self.backend, "lora_changed", None)
+        if hook is not None:
+            await maybe_await(hook(name, lora, tenants))
 
     async def unload_lora(self, name: str) -> dict:
         """Stop serving adapter `name`: new requests for it get 404 from now on; requests
         already accepted run to their end under it, after which the engines drop it."""
         entry = self.loras.remove(name)
         log.info("unloaded LoRA adapter %s", name)
+        try:
+            await self.lora_changed(name, None, None)
+        except Exception:  # unloaded here; the other ingresses may serve it until a restart
+            log.error("the backend did not keep the unload of LoRA adapter %s", name, exc_info=True)
         remove = getattr(self.backend, "remove_lora", None)
         if remove is not None:
             try:

@@ -22,12 +22,12 @@ from typing import Any
 
 import ray
 
+from fairbatch.deployments.cluster.admin_store import AdminChanges, GcsKeyValue
 from fairbatch.deployments.cluster.autoscaling import AutoscalingConfig
 from fairbatch.deployments.cluster.fairness import ControllerConfig
 from fairbatch.deployments.cluster.managed import ClusterController, ClusterReplica
 from fairbatch.deployments.cluster.replica import ReplicaConfig
 from fairbatch.deployments.cluster.replica_set import ReplicaSet, ReplicaSpec
-from fairbatch.deployments.cluster.tenant_store import GcsKeyValue, TenantChanges
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ async def ensure_cluster(spec: ClusterSpec, timeout_s: float) -> ClusterHandles:
         spec.controller,
         spec.metrics_interval_s,
         spec.replica_set(timeout_s),
-        TenantChanges(GcsKeyValue(), f"tenants/{spec.name}"),  # per app: outlives the cluster
+        AdminChanges(GcsKeyValue(), f"admin/{spec.name}"),  # per app: outlives the cluster
     )
     replicas = await asyncio.wait_for(
         controller.ensure_replicas.remote(timeout_s), timeout=timeout_s + 30

@@ -11,13 +11,18 @@ import logging
 from dataclasses import replace
 from typing import Any
 
+from fairbatch.deployments.cluster.admin_store import (
+    AdminChanges,
+    Changes,
+    LoRASettings,
+    TenantSettings,
+)
 from fairbatch.deployments.cluster.channel import ActorOwner, owner_is_dead
 from fairbatch.deployments.cluster.controller import Controller
 from fairbatch.deployments.cluster.fairness import ControllerConfig
 from fairbatch.deployments.cluster.limits import LimitsSpec, TenantLimit
 from fairbatch.deployments.cluster.replica import Replica, ReplicaConfig
 from fairbatch.deployments.cluster.replica_set import ReplicaSet, ReplicaSpec
-from fairbatch.deployments.cluster.tenant_store import TenantChanges, TenantSettings
 from fairbatch.deployments.metrics import Deltas, get_metrics
 from fairbatch.policies import TenantSpec
 
@@ -36,7 +41,7 @@ def _spawn(coro: Any, tasks: set) -> None:
 
 
 class ClusterController(Controller):
-    """The controller plus: tenant updates (admin changes kept in `changes`, tenant_store.py),
+    """The controller plus: tenant updates (admin changes kept in `changes`, admin_store.py),
     ingress attach counting, periodic metrics. It owns the replicas (`ensure_replicas`,
     replacement of dead ones); the last ingress to detach stops them."""
 
@@ -45,15 +50,15 @@ class ClusterController(Controller):
         config: ControllerConfig,
         metrics_interval_s: float = 1.0,
         replicas: ReplicaSet | None = None,
-        changes: TenantChanges | None = None,
+        changes: AdminChanges | None = None,
     ) -> None:
         super().__init__(config, replicas)
         self.users: dict[str, ActorOwner | None] = {}  # attached ingress -> its actor
         self.metrics_interval_s = metrics_interval_s
         self._metrics_task: asyncio.Task | None = None
         self._tenant_updates: dict[str, tuple[float, int]] = {}  # for replacement replicas
-        self.changes = changes or TenantChanges(None, "")
-        for name, s in self.changes.load().items():  # as they were before a restart
+        self.changes = changes or AdminChanges(None, "")
+        for name, s in self.changes.load().tenants.items():  # as they were before a restart
             self._apply_tenant(
                 name, s.weight, s.priority, TenantLimit(s.tokens_per_minute, s.max_requests)
             )
@@ -88,7 +93,7 @@ class ClusterController(Controller):
         """The tenants' quotas and bounds as the attaching ingress's config has them; admin
         changes win over it."""
         self.core.set_limits(spec)
-        for name, s in self.changes.tenants.items():
+        for name, s in self.changes.now.tenants.items():
             self.core.limits.set_tenant(name, TenantLimit(s.tokens_per_minute, s.max_requests))
 
     async def update_tenant(
@@ -107,8 +112,8 @@ class ClusterController(Controller):
         if change:
             limit = limit or TenantLimit()
             settings = TenantSettings(weight, priority, limit.tokens_per_minute, limit.max_requests)
-            self.changes.set(name, settings)
-        elif name in self.changes.tenants:
+            self.changes.set_tenant(name, settings)
+        elif name in self.changes.now.tenants:
             return
         self._apply_tenant(name, weight, priority, limit)
         self._apply(self.core.dispatch())
@@ -123,9 +128,14 @@ class ClusterController(Controller):
         self._tenant_updates[name] = (weight, priority)
         self.core.policy.update_tenant(name, weight=weight, priority=priority)
 
-    async def tenant_changes(self, version: int = 0) -> tuple[int, dict] | None:
-        """The admin's changes if newer than `version`: (version, {tenant: TenantSettings})."""
+    async def admin_changes(self, version: int = 0) -> Changes | None:
+        """The admin's changes (tenants, LoRA adapters) if newer than `version`."""
         return self.changes.since(version)
+
+    async def change_lora(self, name: str, settings: LoRASettings | None) -> int:
+        """An adapter loaded (`settings`) or unloaded (None) through an ingress: kept, and
+        picked up by every other ingress."""
+        return self.changes.set_lora(name, settings)
 
     async def _push_tenants(self, handles: list, updates: dict[str, tuple[float, int]]) -> None:
         calls = [h.update_tenant.remote(n, w, p) for h in handles for n, (w, p) in updates.items()]

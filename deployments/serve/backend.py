@@ -11,6 +11,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+from fairbatch.deployments.cluster.admin_store import LoRASettings
 from fairbatch.deployments.cluster.client import ClusterClient
 from fairbatch.deployments.cluster.launch import ClusterHandles
 from fairbatch.deployments.cluster.limits import TenantLimit
@@ -118,7 +119,7 @@ class ClusterBackend:
         # The controller enforces the limits over every ingress (cluster/limits.py) and keeps
         # share and class (a replacement replica starts with them), pushing those to every
         # replica in service, so no handle here can be stale. An admin's `change` it keeps
-        # across restarts, and every ingress picks it up (tenant_store.py).
+        # across restarts, and every ingress picks it up (admin_store.py).
         limit = TenantLimit(tokens_per_minute, max_requests)
         await asyncio.wait_for(
             self.handles.controller.update_tenant.remote(name, weight, priority, limit, change),
@@ -136,6 +137,17 @@ class ClusterBackend:
         for error in await asyncio.wait_for(check(), UPDATE_TIMEOUT_S):
             if error is not None:
                 raise ValueError(error)
+
+    async def lora_changed(self, name: str, lora: Any, tenants: frozenset[str] | None) -> None:
+        """The controller keeps the load (or unload, `lora` None) for every ingress and for
+        restarts (admin_store.py)."""
+        settings = None
+        if lora is not None:
+            who = None if tenants is None else tuple(sorted(tenants))
+            settings = LoRASettings(lora.name, lora.path, who)
+        await asyncio.wait_for(
+            self.handles.controller.change_lora.remote(name, settings), UPDATE_TIMEOUT_S
+        )
 
     async def remove_lora(self, lora: Any) -> None:
         """Every replica in service drops the adapter once its requests under it have ended

@@ -26,9 +26,10 @@ from fairbatch.deployments.api.server import bind_backend, create_app
 from fairbatch.deployments.cluster.channel import own_process
 from fairbatch.deployments.metrics import Deltas, get_metrics
 from fairbatch.deployments.serve.handle_api import HandleApi
+from fairbatch.engine.sampling_params import LoRARequest
 
 log = logging.getLogger("fairbatch.serve")
-TENANT_SYNC_S = 1.0  # how often an ingress picks up admin changes made through another one
+ADMIN_SYNC_S = 1.0  # how often an ingress picks up admin changes made through another one
 SYNC_TIMEOUT_S = 10.0
 
 
@@ -127,10 +128,10 @@ class FairbatchIngress(HandleApi):
             admission_timeout_s=cfg.admission_timeout_s,
             record_metrics=cfg.metrics_interval_s > 0,
         )
-        self._tenants_version = 0
-        await self._sync_tenants()  # admin changes kept by the controller win over the config
+        self._admin_version = 0
+        await self._sync_admin()  # admin changes kept by the controller win over the config
         await bind_backend(self.api_app, self.backend)
-        self._tasks.add(asyncio.get_running_loop().create_task(self._sync_tenants_loop()))
+        self._tasks.add(asyncio.get_running_loop().create_task(self._sync_admin_loop()))
         if cfg.metrics_interval_s > 0:
             task = asyncio.get_running_loop().create_task(self._metrics_loop())
             self._tasks.add(task)
@@ -154,17 +155,26 @@ class FairbatchIngress(HandleApi):
         """The replicas in service now (replacements included), from the controller."""
         return await self.handles.controller.replica_handles.remote()
 
-    async def _sync_tenants(self) -> None:
+    async def _sync_admin(self) -> None:
         """Apply the admin changes the controller keeps, if any are newer than the last seen
         (a PATCH served by another ingress, or made before this one started)."""
         got = await asyncio.wait_for(
-            self.handles.controller.tenant_changes.remote(self._tenants_version), SYNC_TIMEOUT_S
+            self.handles.controller.admin_changes.remote(self._admin_version), SYNC_TIMEOUT_S
         )
         if got is None:
             return
-        self._tenants_version, changed = got
+        self._admin_version = got.version
+        loras = self.api_app.state.api.loras
+        for name, lora in got.loras.items():
+            held = loras.entries.get(name)
+            if lora is None:
+                if held is not None:
+                    loras.remove(name)
+            elif held is None or held.lora.name != lora.engine_name:
+                who = None if lora.tenants is None else frozenset(lora.tenants)
+                loras.adopt(name, LoRARequest(lora.engine_name, lora.path), who)
         registry = self.api_app.state.registry
-        for name, s in changed.items():
+        for name, s in got.tenants.items():
             if name in registry.tenants:
                 registry.update(
                     name, weight=s.weight, priority=s.priority,
@@ -173,11 +183,11 @@ class FairbatchIngress(HandleApi):
                     clear_max_requests=s.max_requests is None,
                 )  # fmt: skip
 
-    async def _sync_tenants_loop(self) -> None:
+    async def _sync_admin_loop(self) -> None:
         while True:
-            await asyncio.sleep(TENANT_SYNC_S)
+            await asyncio.sleep(ADMIN_SYNC_S)
             try:
-                await self._sync_tenants()
+                await self._sync_admin()
             except Exception as e:  # the controller is restarting: next time
                 log.info("tenant sync failed: %r", e)
 

@@ -30,7 +30,6 @@ import asyncio
 import json
 import os
 import random
-import signal
 import time
 from types import SimpleNamespace
 
@@ -41,6 +40,7 @@ ray = pytest.importorskip("ray")
 from live_actors import live_replicas  # noqa: E402
 from loopback import free_port, run_serve_app, wait_for  # noqa: E402
 from ray import serve  # noqa: E402
+from serve_actors import ingress_actors, sigkill  # noqa: E402
 
 from fairbatch.deployments.cluster.launch import NAMESPACE  # noqa: E402
 from fairbatch.engine.tokenizer import Tokenizer  # noqa: E402
@@ -123,17 +123,6 @@ class LiveCluster:
     @property
     def replicas(self) -> dict:
         return live_replicas(self.prefix)
-
-
-def ingress_actors() -> dict:
-    out = {}
-    for a in ray.util.list_named_actors(all_namespaces=True):
-        if a["namespace"] == "serve" and "FairbatchIngress" in a["name"]:
-            try:
-                out[a["name"]] = ray.get_actor(a["name"], namespace="serve")
-            except ValueError:
-                continue  # died meanwhile
-    return out
 
 
 def prompt_ids(n: int) -> list[int]:
@@ -234,14 +223,6 @@ async def load(base: str, seed: int, stop: asyncio.Event, results: list) -> None
                 k += 1
 
         await asyncio.gather(*(client(c) for c in range(CLIENTS)))
-
-
-def sigkill(actor) -> int:
-    """SIGKILL the actor's process, as a crash or the OOM killer would (not `ray.kill`, which
-    Ray carries out itself). Returns the pid."""
-    pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=30)
-    os.kill(pid, signal.SIGKILL)
-    return pid
 
 
 def kill_replica(cluster) -> str:

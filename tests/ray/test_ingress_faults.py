@@ -32,6 +32,7 @@ import pytest
 ray = pytest.importorskip("ray")
 from loopback import free_port, run_serve_app, wait_for  # noqa: E402
 from ray import serve  # noqa: E402
+from serve_actors import sigkill  # noqa: E402
 
 from fairbatch.deployments.cluster.launch import NAMESPACE  # noqa: E402
 from fairbatch.engine.tokenizer import Tokenizer  # noqa: E402
@@ -410,14 +411,6 @@ def _tenant_views(base: str, name: str, n: int = 16) -> list[tuple]:
     return views
 
 
-def _sigkill(actor) -> None:
-    import os
-    import signal
-
-    pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=30)
-    os.kill(pid, signal.SIGKILL)
-
-
 def test_admin_change_reaches_every_ingress_and_outlives_restarts(served, replica_check):
     """PATCH c through one ingress: within a sync period both ingresses show it; after the
     controller is killed (Ray restarts it) its queue weighs c by it and its bound holds;
@@ -429,7 +422,7 @@ def test_admin_change_reaches_every_ingress_and_outlives_restarts(served, replic
     assert r.status_code == 200, r.text
     wait_for(lambda: set(_tenant_views(base, "c")) == {(2.5, 2)}, 10, "the change on both")
 
-    _sigkill(controller)
+    sigkill(controller)
     wait_for(lambda: ray.get(controller.tenants.remote(), timeout=10)["c"][0] == 2.5, 60,
              "the restarted controller's weight for c")  # fmt: skip
 
@@ -443,7 +436,7 @@ def test_admin_change_reaches_every_ingress_and_outlives_restarts(served, replic
     assert codes == [200, 200, 429], codes  # the bound of 2, from the kept change
 
     victim = sorted(ingress_actors())[0]
-    _sigkill(ingress_actors()[victim])
+    sigkill(ingress_actors()[victim])
     wait_for(lambda: victim not in ingress_actors() and len(ingress_actors()) == INGRESSES, 120,
              "a replacement ingress")  # fmt: skip
     wait_for(lambda: ingress_running() == INGRESSES, 120, "both ingresses running")

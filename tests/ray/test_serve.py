@@ -29,6 +29,7 @@ from loopback import (  # noqa: E402
 )
 from lora_adapters import make_tiny_adapter  # noqa: E402
 from ray import serve  # noqa: E402
+from serve_actors import ingress_actors, sigkill  # noqa: E402
 
 from fairbatch.deployments.api.config import sha256_hex  # noqa: E402
 from fairbatch.deployments.serve.app import ConfigError, parse_app_args, read_args_file  # noqa: E402
@@ -643,6 +644,45 @@ def test_metrics_on_the_metrics_port(served):
     assert 'tenant="a"' in text and 'tenant="q"' in text
     assert KEYS["a"] not in text and "quick brown fox" not in text
     assert 'SessionName="' in text  # the Grafana dashboard filters on it
+
+
+def test_admin_lora_changes_outlive_the_ingress(served):
+    """An adapter loaded and one unloaded through the admin API stay so when the ingress dies
+    and Serve starts another: the new one takes them from the controller (which keeps them in
+    Ray's GCS), over its config (which lists the unloaded one)."""
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    url = served["base"] + "/admin/loras"
+    body = {"name": "kept", "path": served["lora"], "tenants": ["a"]}
+    assert httpx.post(url, json=body, headers=admin, timeout=60).status_code == 200
+    assert httpx.delete(url + "/tiny-lora", headers=admin, timeout=60).status_code == 200
+    prompt = {"prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0}
+
+    def text(tenant: str, model: str) -> httpx.Response:
+        auth = {"Authorization": f"Bearer {KEYS[tenant]}"}
+        body = {**prompt, "model": model}
+        return httpx.post(served["base"] + "/v1/completions", json=body, headers=auth, timeout=60)
+
+    before = text("a", "kept")
+    assert before.status_code == 200, before.text
+    ((old, actor),) = ingress_actors().items()
+    sigkill(actor)
+
+    def served_again() -> bool:
+        try:
+            return httpx.get(url, headers=admin, timeout=10).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_for(lambda: old not in ingress_actors() and served_again(), 180,
+             "a new ingress")  # fmt: skip
+    names = {m["name"] for m in httpx.get(url, headers=admin, timeout=30).json()["data"]}
+    assert names == {"kept"}, names
+    after = text("a", "kept")
+    assert (
+        after.status_code == 200
+        and after.json()["choices"][0]["text"] == (before.json()["choices"][0]["text"])
+    ), after.text
+    assert text("h", "tiny-lora").status_code == 404
 
 
 def test_deleting_the_app_stops_the_cluster(served):
