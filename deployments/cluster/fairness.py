@@ -448,7 +448,8 @@ class FairnessCore:
             state = rep.active.get(rid)
             if state is not None:
                 t.seen, t.running = True, state[2]
-                self._charge_output(t, state[4])
+                if state[4] > t.charged_out:
+                    self._charge_output(t, state[4])
                 if t.preempted and t.running:
                     preemption.resumed(t)  # resumed where it was
             elif not t.seen and now - t.assigned_at > self.config.stale_assignment_s:
