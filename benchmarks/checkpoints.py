@@ -54,7 +54,7 @@ def _tiny_shape() -> dict[str, Any]:
     )
     shape = {k: getattr(c, k) for k in keys}
     return dict(
-        architectures=[c.architecture], model_type="llama", **shape, tie_word_embeddings=False
+        architectures=["LlamaForCausalLM"], model_type="llama", **shape, tie_word_embeddings=False
     )
 
 

@@ -123,14 +123,14 @@ def flash_parity() -> dict:
 def decode_bench(iters: int) -> dict:
     from fairbatch.engine.cuda_graphs import graph_step_inputs
     from fairbatch.engine.gpu_profiles import profile_for_device
-    from fairbatch.engine.model import LlamaForCausalLM
+    from fairbatch.engine.models import CausalLM
     from fairbatch.engine.runner import ModelRunner
     from fairbatch.kv.cache_engine import CacheEngine
 
     config, bs = llama_1b_config(), 16
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = LlamaForCausalLM(config, attn_backend=None)
+        model = CausalLM(config, attn_backend=None)
     model = model.to(torch.bfloat16).eval()
     backend = model.attn_backend(torch.device("cuda"), torch.bfloat16)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())

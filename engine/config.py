@@ -1,28 +1,16 @@
-"""The shape of a Llama-family model, read from a Hugging Face `config.json`.
+"""The shape of a decoder model, read from a Hugging Face `config.json`.
 
-Qwen3 adds a per-head RMSNorm on q and k (`qk_norm`); Qwen3-MoE also replaces some layers'
-MLPs by sparse mixture-of-experts blocks (`num_experts` > 0, layers picked by `is_moe_layer`).
-Phi-3 / Phi-4-mini (`Phi3ForCausalLM`) store q/k/v and gate/up fused in the checkpoint (the
-engine's own layout), rotate only the first `rotary_dim` of each head (`partial_rotary_factor`)
-and may scale RoPE with `longrope` (engine/rope.py says which factor set a token gets).
-Gemma 3's text model (`Gemma3ForCausalLM`, model_type `gemma3_text`) interleaves sliding-window
-and global layers (`layer_types`), each kind with its own RoPE base (`rope_local_theta` on the
-sliding layers), and adds what `gemma` switches on in engine/model.py: `(1 + w)` norms, the
-sandwich norms around attention and MLP, the sqrt(hidden) embedding scale, GELU-tanh,
-`query_pre_attn_scalar` and final logit soft-capping. Its `attn_logit_softcapping` is read but
-not applied, as transformers' Gemma3 does not apply it either (engine/model.py warns).
+`ModelConfig` holds capabilities, not families: q/k norms, mixture-of-experts layers, partial
+rotary and RoPE scaling (llama3, linear, longrope: engine/rope.py), sliding windows, interleaved
+sliding and global layers, the attention scale, the activation, the logit soft-cap. A pure
+dataclass: building one never touches the disk, so the scheduler, the simulated runner and tests
+can describe a model without a checkpoint. `from_hf_dict` hands a `config.json` to the family
+its `architecture` names (engine/models), which reads it with the helpers below; both the
+transformers 4.x layout (`rope_theta` + `rope_scaling`) and the 5.x one (`rope_parameters`).
 
-A pure dataclass: building one never touches the disk, so the scheduler, the simulated runner and
-tests can describe a model without a checkpoint. `from_hf_dict` takes the parsed `config.json`
-(both the transformers 4.x layout, `rope_theta` + `rope_scaling`, and the 5.x layout,
-`rope_parameters`) and normalises it.
-
-Sliding-window attention (Mistral, Phi3: every layer; Gemma 3: its sliding layers, `layer_window`):
-implemented. A window `w` means query position `p` sees keys `p - w + 1 .. p`, as Hugging Face
-masks it. A window at least as long as
-`max_position_embeddings` can never bind, so it is dropped. The Qwen families'
-`use_sliding_window` (Qwen2/Qwen3: windows on the layers past `max_window_layers`) is not
-implemented and raises.
+Sliding windows: `sliding_window` on every layer, or with `layer_types` on the SLIDING layers
+only. A window `w` means query position `p` sees keys `p - w + 1 .. p`, as Hugging Face masks
+it; one at least as long as `max_position_embeddings` can never bind, so it is dropped.
 """
 
 from __future__ import annotations
@@ -31,36 +19,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-# Architecture name in `config.json` -> HF `model_type`; one decoder (engine/model.py) runs
-# them all, the differences being flags of ModelConfig.
-SUPPORTED_ARCHITECTURES: dict[str, str] = {
-    "LlamaForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-    "MistralForCausalLM": "mistral",
-    "Qwen3ForCausalLM": "qwen3",
-    "Qwen3MoeForCausalLM": "qwen3_moe",
-    "Phi3ForCausalLM": "phi3",
-    "Gemma3ForCausalLM": "gemma3_text",
-}
-QWEN3_FAMILY = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
-# Checkpoints that store `qkv_proj` and `gate_up_proj` fused, rows in the engine's order.
-FUSED_CHECKPOINTS = ("Phi3ForCausalLM",)
-# rope_type values whose inv_freq we compute exactly as transformers does, per architecture
-# (transformers' Phi3Config accepts only these two; "su" and "yarn" are its old longrope names).
-SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
-PHI3_ROPE_TYPES = ("default", "longrope")
-PHI3_DEFAULTS = {"rms_norm_eps": 1e-5, "max_position_embeddings": 4096}
-GEMMA3 = "Gemma3ForCausalLM"
-# Gemma3TextConfig's defaults (a published config.json writes all of them).
-GEMMA3_DEFAULTS = {
-    "rms_norm_eps": 1e-6,
-    "max_position_embeddings": 131072,
-    "head_dim": 256,
-    "tie_word_embeddings": True,
-    "query_pre_attn_scalar": 256,
-    "sliding_window": 4096,
-    "hidden_activation": "gelu_pytorch_tanh",
-}
+# rope_type values whose inv_freq we compute as transformers does (a family may add longrope)
+ROPE_TYPES = ("default", "llama3", "linear")
 SLIDING, FULL = "sliding_attention", "full_attention"
 
 
@@ -76,36 +36,36 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     # None for plain RoPE; else {"rope_type": "llama3" | "linear" | "longrope", ...HF keys}
-    # (longrope's normalised by `_rope`: short/long factors, original length, attention factor).
+    # (longrope's normalised: short/long factors, original length, attention factor).
     rope_scaling: dict[str, Any] | None = None
     partial_rotary_factor: float = 1.0  # RoPE turns the first `rotary_dim` of each head only
     max_position_embeddings: int = 2048
     attention_bias: bool = False  # bias on q/k/v projections
-    o_proj_bias: bool = False  # bias on the output projection (Llama's attention_bias sets both)
+    o_proj_bias: bool = False  # bias on the output projection
     mlp_bias: bool = False
     tie_word_embeddings: bool = False
     sliding_window: int | None = None  # None: full causal attention
-    # Per layer, SLIDING or FULL (Gemma 3): only SLIDING layers use `sliding_window` and turn
-    # with `rope_local_theta`. Empty: every layer uses `sliding_window` (Mistral, Phi3).
+    # Per layer, SLIDING or FULL: only SLIDING layers use `sliding_window` and turn with
+    # `rope_local_theta`. Empty: every layer uses `sliding_window`.
     layer_types: tuple[str, ...] = ()
     rope_local_theta: float | None = None
-    qk_norm: bool = False  # RMSNorm over each q and k head before RoPE (Qwen3)
-    # Mixture of experts (Qwen3-MoE); num_experts 0 means every layer has a dense MLP.
+    qk_norm: bool = False  # RMSNorm over each q and k head before RoPE
+    # Mixture of experts; num_experts 0 means every layer has a dense MLP.
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
     mlp_only_layers: tuple[int, ...] = ()  # layers that keep a dense MLP
     decoder_sparse_step: int = 1  # layer i is sparse when (i + 1) % step == 0
-    # Gemma 3 (see the module docstring); the others keep these defaults.
-    gemma: bool = False
-    hidden_act: str = "silu"  # "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU, Gemma)
+    hidden_act: str = "silu"  # "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU)
     query_pre_attn_scalar: float | None = None  # attention scale scalar**-0.5, not head_dim's
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
-    attn_logit_softcapping: float | None = None  # read, never applied (as transformers)
+    attn_logit_softcapping: float | None = None  # read, never applied, as in transformers
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    architecture: str = "LlamaForCausalLM"
+    # The HF architecture name (engine/models' registry key); None: the plain decoder that
+    # these fields describe, as a config built in code has it.
+    architecture: str | None = None
     dtype: str | None = None  # the checkpoint's dtype name ("bfloat16", ...), informational
 
     def __post_init__(self) -> None:
@@ -128,8 +88,6 @@ class ModelConfig:
                         f"longrope {key} has {len(self.rope_scaling[key])} entries; "
                         f"rotary_dim // 2 = {self.rotary_dim // 2} expected"
                     )
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(_unsupported(self.architecture))
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ValueError(
                 f"num_experts_per_tok ({self.num_experts_per_tok}) must be in "
@@ -148,13 +106,12 @@ class ModelConfig:
                 raise NotImplementedError(f"layer types {sorted(unknown)} are not implemented")
         if self.hidden_act not in ("silu", "gelu_pytorch_tanh"):
             raise NotImplementedError(
-                f"hidden_act={self.hidden_act!r}: only 'silu' and 'gelu_pytorch_tanh' are "
-                "implemented"
+                f"hidden_act={self.hidden_act!r}: only silu and gelu_pytorch_tanh are implemented"
             )
 
     def is_sliding_layer(self, layer_idx: int) -> bool:
-        """Whether layer `layer_idx` is a sliding layer of an interleaved model (Gemma 3): its
-        window is `sliding_window` and it turns with `rope_local_theta`."""
+        """Whether layer `layer_idx` is a sliding layer of an interleaved model: its window is
+        `sliding_window` and it turns with `rope_local_theta`."""
         return bool(self.layer_types) and self.layer_types[layer_idx] == SLIDING
 
     def layer_window(self, layer_idx: int) -> int | None:
@@ -169,8 +126,8 @@ class ModelConfig:
         return tuple(dict.fromkeys(self.layer_window(i) for i in range(self.num_hidden_layers)))
 
     def is_moe_layer(self, layer_idx: int) -> bool:
-        """Whether layer `layer_idx` has a sparse MoE block (else a dense MLP), the rule of
-        transformers' Qwen3MoeDecoderLayer."""
+        """Whether layer `layer_idx` has a sparse MoE block (else a dense MLP): transformers'
+        `mlp_only_layers` / `decoder_sparse_step` rule."""
         return (
             self.num_experts > 0
             and layer_idx not in self.mlp_only_layers
@@ -188,190 +145,106 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
-        architecture = _architecture(d)
-        if architecture == "Phi3ForCausalLM":
-            d = {**PHI3_DEFAULTS, **d}  # Phi3Config's defaults where they differ from ours
-        if architecture == GEMMA3:
-            d = {**GEMMA3_DEFAULTS, **{k: v for k, v in d.items() if v is not None}}
-        max_pos = int(d.get("max_position_embeddings", 2048))
-        hidden = int(d["hidden_size"])
-        num_heads = int(d["num_attention_heads"])
+        """A parsed `config.json`, as its family reads it; ValueError for an unknown one."""
+        from fairbatch.engine.models import read_config  # the families import this module
 
-        # Gemma3 reads `hidden_activation` only (a `hidden_act` beside it is ignored, as HF does)
-        act = d["hidden_activation"] if architecture == GEMMA3 else d.get("hidden_act", "silu")
-        if act != ("gelu_pytorch_tanh" if architecture == GEMMA3 else "silu"):
-            raise NotImplementedError(f"hidden_act={act!r} is not implemented for {architecture}")
-        gemma = _gemma3(d) if architecture == GEMMA3 else {}
-        rope_theta, rope_scaling, partial_rotary_factor = _rope(
-            gemma.pop("global_rope", d), max_pos, architecture
-        )
+        return read_config(d)
 
-        if architecture == "Qwen2ForCausalLM":
-            qkv_bias, o_bias, mlp_bias = True, False, False  # Qwen2 always has qkv bias
-        elif architecture == "MistralForCausalLM":
-            qkv_bias, o_bias, mlp_bias = False, False, False
-        elif architecture == "Phi3ForCausalLM":
-            qkv_bias, o_bias, mlp_bias = False, False, False  # Phi3 has no bias, whatever it says
-        elif architecture in (*QWEN3_FAMILY, GEMMA3):
-            qkv_bias = o_bias = bool(d.get("attention_bias", False))  # one flag, all four
-            mlp_bias = False
-        else:
-            qkv_bias = o_bias = bool(d.get("attention_bias", False))
-            mlp_bias = bool(d.get("mlp_bias", False))
 
-        return cls(
-            vocab_size=int(d["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(d["intermediate_size"]),
-            num_hidden_layers=int(d["num_hidden_layers"]),
-            num_attention_heads=num_heads,
-            num_key_value_heads=int(d.get("num_key_value_heads") or num_heads),
-            head_dim=int(d.get("head_dim") or _default_head_dim(architecture, hidden, num_heads)),
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            rope_theta=rope_theta,
-            rope_scaling=rope_scaling,
-            partial_rotary_factor=partial_rotary_factor,
-            max_position_embeddings=max_pos,
-            attention_bias=qkv_bias,
-            o_proj_bias=o_bias,
-            mlp_bias=mlp_bias,
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            sliding_window=_sliding_window(d, architecture, max_pos),
-            bos_token_id=d.get("bos_token_id"),
-            eos_token_ids=eos_ids(d.get("eos_token_id")),
-            architecture=architecture,
-            dtype=d.get("torch_dtype") or d.get("dtype"),
-            qk_norm=architecture in (*QWEN3_FAMILY, GEMMA3),
-            hidden_act=act,
-            **_moe(d, architecture),
-            **gemma,
-        )
+def read_hf_config(d: dict, architecture: str, rope: tuple | None = None, **fields) -> ModelConfig:
+    """A `ModelConfig` from the keys most families read alike: q/k/v and o biases from
+    `attention_bias`, the MLP's from `mlp_bias`, a `sliding_window` that binds, SiLU (or the
+    `hidden_act` in `fields`). `fields` override those or add to them (q/k norms, experts, ...);
+    `rope` is `read_rope`'s result for a family with its own RoPE rules."""
+    heads = int(d["num_attention_heads"])
+    act, implemented = d.get("hidden_act", "silu"), fields.get("hidden_act", "silu")
+    if act != implemented:
+        raise NotImplementedError(f"hidden_act={act!r} is not implemented for {architecture}")
+    rope_theta, rope_scaling, partial_rotary_factor = rope or read_rope(d, architecture)
+    bias = bool(d.get("attention_bias", False))
+    required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")
+    common = dict(
+        {k: int(d[k]) for k in required},
+        num_attention_heads=heads,
+        num_key_value_heads=int(d.get("num_key_value_heads") or heads),
+        head_dim=int(d.get("head_dim") or int(d["hidden_size"]) // heads),
+        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        partial_rotary_factor=partial_rotary_factor,
+        max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+        attention_bias=bias,
+        o_proj_bias=bias,
+        mlp_bias=bool(d.get("mlp_bias", False)),
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        sliding_window=binding_window(d),
+        bos_token_id=d.get("bos_token_id"),
+        eos_token_ids=eos_ids(d.get("eos_token_id")),
+        architecture=architecture,
+        dtype=d.get("torch_dtype") or d.get("dtype"),
+        hidden_act=act,
+    )
+    return ModelConfig(**{**common, **fields})
 
 
 def eos_ids(value: int | list[int] | None) -> tuple[int, ...]:
-    """`eos_token_id` is an int, a list of ints (Llama 3.1) or absent."""
-    if value is None:
-        return ()
-    if isinstance(value, int):
-        return (value,)
-    return tuple(int(v) for v in value)
+    """`eos_token_id` is an int, a list of ints or absent."""
+    values = () if value is None else (value,) if isinstance(value, int) else value
+    return tuple(int(v) for v in values)
 
 
-def _unsupported(name: str) -> str:
-    return f"unsupported architecture {name!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+def binding_window(d: dict) -> int | None:
+    """`sliding_window`, or None where it is unset or never binds."""
+    window, max_pos = d.get("sliding_window"), int(d.get("max_position_embeddings", 2048))
+    return int(window) if window is not None and int(window) < max_pos else None
 
 
-def _architecture(d: dict[str, Any]) -> str:
-    names = d.get("architectures") or []
-    if names:
-        if names[0] not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(_unsupported(names[0]))
-        return names[0]
-    # A config built in code (not from a model) has no `architectures`; fall back on model_type.
-    by_type = {t: a for a, t in SUPPORTED_ARCHITECTURES.items()}
-    model_type = d.get("model_type")
-    if model_type not in by_type:
-        raise ValueError(_unsupported(f"model_type={model_type}"))
-    return by_type[model_type]
+def switched_window(d: dict, architecture: str) -> None:
+    """None for a checkpoint whose `sliding_window` is off unless `use_sliding_window` turns it
+    on (past `max_window_layers`: not implemented, so that raises where it would bind)."""
+    if d.get("use_sliding_window") and binding_window(d) is not None:
+        raise NotImplementedError(f"{architecture} use_sliding_window is not implemented")
 
 
-def _default_head_dim(architecture: str, hidden: int, num_heads: int) -> int:
-    # Qwen3's config class defaults head_dim to 128 rather than deriving it (its checkpoints
-    # always write it; a dict built in code may not).
-    return 128 if architecture in QWEN3_FAMILY else hidden // num_heads
-
-
-def _gemma3(d: dict[str, Any]) -> dict[str, Any]:
-    """Gemma3TextConfig's layer pattern, local RoPE base and scalars, read as transformers
-    reads them; `global_rope` is the config `_rope` reads for the global layers."""
-    if d.get("use_bidirectional_attention"):
-        raise NotImplementedError("Gemma3 use_bidirectional_attention is not implemented")
-    layers = int(d["num_hidden_layers"])
-    types = d.get("layer_types")
-    if types is None:  # the older config.json: every `sliding_window_pattern`-th layer global
-        pattern = int(d.get("sliding_window_pattern", 6))
-        types = [SLIDING if (i + 1) % pattern else FULL for i in range(layers)]
-    params = d.get("rope_parameters")
-    if isinstance(params, dict) and (SLIDING in params or FULL in params):
-        # transformers 5: one rope dict per layer type, theta inside
-        local = dict(params.get(SLIDING) or {})
-        global_rope = {**d, "rope_parameters": dict(params.get(FULL) or {}), "rope_scaling": None}
-    else:  # transformers 4: rope_theta + rope_scaling (global), rope_local_base_freq (local)
-        local, global_rope = {}, {**d, "rope_parameters": None}
-    # A theta missing from the rope dicts comes from the top-level keys, else HF's defaults.
-    local.setdefault("rope_theta", d.get("rope_local_base_freq", 10000.0))
-    global_rope.setdefault("rope_theta", 1_000_000.0)
-    local_type = local.get("rope_type") or local.get("type") or "default"
-    if local_type != "default":
-        raise NotImplementedError(
-            f"Gemma3 sliding-layer rope_type={local_type!r} is not implemented (only default)"
-        )
-    softcap = {k: d.get(k) for k in ("final_logit_softcapping", "attn_logit_softcapping")}
-    return dict(
-        layer_types=tuple(types),
-        rope_local_theta=float(local["rope_theta"]),
-        gemma=True,
-        query_pre_attn_scalar=float(d["query_pre_attn_scalar"]),
-        **{k: None if v is None else float(v) for k, v in softcap.items()},
-        global_rope=global_rope,
-    )
-
-
-def _moe(d: dict[str, Any], architecture: str) -> dict[str, Any]:
-    if architecture != "Qwen3MoeForCausalLM":
-        return {}
-    # transformers 5 saves `num_experts` under its attribute_map name `num_local_experts`;
-    # the published checkpoints write `num_experts`.
-    num_experts = int(d.get("num_experts", d.get("num_local_experts", 128)))  # HF's default
-    return dict(
-        num_experts=num_experts,
-        num_experts_per_tok=int(d.get("num_experts_per_tok", 8)) if num_experts else 0,
-        moe_intermediate_size=int(d.get("moe_intermediate_size", 768)),
-        norm_topk_prob=bool(d.get("norm_topk_prob", False)),
-        mlp_only_layers=tuple(int(i) for i in d.get("mlp_only_layers") or ()),
-        decoder_sparse_step=int(d.get("decoder_sparse_step", 1)),
-    )
-
-
-def _rope(
-    d: dict[str, Any], max_pos: int, architecture: str
+def read_rope(
+    d: dict, architecture: str, types=ROPE_TYPES, aliases: dict | None = None, partial=False
 ) -> tuple[float, dict[str, Any] | None, float]:
     """(rope_theta, rope_scaling, partial_rotary_factor), normalised as transformers reads
-    them."""
+    them: `types` the family knows (`aliases`: its other names), `partial` rotary or not."""
+    max_pos = int(d.get("max_position_embeddings", 2048))
     # transformers 5 writes `rope_parameters` (theta inside); 4.x writes `rope_theta` and an
     # optional `rope_scaling` whose type key is `rope_type` or, older still, `type`.
     params = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
     theta = float(params.pop("rope_theta", None) or d.get("rope_theta") or 10000.0)
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
+    rope_type = (aliases or {}).get(rope_type, rope_type)
     # The rope dict's factor wins over a top-level one (transformers' setdefault).
-    partial = float(params.pop("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)))
-    phi3 = architecture == "Phi3ForCausalLM"
-    if phi3 and rope_type in ("su", "yarn"):
-        rope_type = "longrope"  # Phi3Config's backward-compatible names
-    supported = PHI3_ROPE_TYPES if phi3 else SUPPORTED_ROPE_TYPES
-    if rope_type not in supported:
+    factor = float(params.pop("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)))
+    if rope_type not in types:
         raise NotImplementedError(
-            f"rope_type={rope_type!r} is not implemented for {architecture}; supported: {supported}"
+            f"rope_type={rope_type!r} is not implemented for {architecture}; supported: {types}"
         )
-    if partial != 1.0 and not phi3:
+    if factor != 1.0 and not partial:
         raise NotImplementedError(
             f"partial_rotary_factor != 1 is not implemented for {architecture}"
         )
     if rope_type == "default":
-        return theta, None, partial
+        return theta, None, factor
     if rope_type == "llama3":
         # HF falls back on max_position_embeddings when the original length is not given.
         params.setdefault("original_max_position_embeddings", max_pos)
     if rope_type == "longrope":
         params = _longrope(d, params, max_pos)
-    return theta, {"rope_type": rope_type, **params}, partial
+    return theta, {"rope_type": rope_type, **params}, factor
 
 
 def _longrope(d: dict[str, Any], params: dict[str, Any], max_pos: int) -> dict[str, Any]:
-    # transformers' _compute_longrope_parameters and Phi3Config: the top-level
-    # original_max_position_embeddings (Phi3Config's default 4096) overrides the rope dict's.
-    original = int(d.get("original_max_position_embeddings", 4096))
+    # transformers' _compute_longrope_parameters: a top-level original_max_position_embeddings
+    # overrides the rope dict's.
+    original = int(
+        d.get("original_max_position_embeddings") or params["original_max_position_embeddings"]
+    )
     factor = params.get("factor")
     if factor is None:
         factor = max_pos / original
@@ -390,16 +263,3 @@ def _longrope(d: dict[str, Any], params: dict[str, Any], max_pos: int) -> dict[s
         "original_max_position_embeddings": original,
         "attention_factor": float(attention_factor),
     }
-
-
-def _sliding_window(d: dict[str, Any], architecture: str, max_pos: int) -> int | None:
-    window = d.get("sliding_window")
-    if architecture in ("Qwen2ForCausalLM", *QWEN3_FAMILY):
-        # Qwen checkpoints carry a window that is off unless use_sliding_window says so.
-        if d.get("use_sliding_window") and window is not None and window < max_pos:
-            raise NotImplementedError(f"{architecture} use_sliding_window is not implemented")
-        return None
-    windowed = ("MistralForCausalLM", "Phi3ForCausalLM", GEMMA3)
-    if architecture in windowed and window is not None and int(window) < max_pos:
-        return int(window)
-    return None  # Llama has no window; a window >= max_position_embeddings never binds

@@ -73,7 +73,7 @@ class EngineCore:
         # requests evicted past a deadline, per (tenant, stage "queue" | "running")
         self.timed_out: Counter[tuple[str, str]] = Counter()
         self._retiring_loras: set[str] = set()  # adapters no longer served, still in use here
-        # longrope models (Phi-3): the original context length (see `_rope_long`); else None
+        # longrope models: the original context length (see `_rope_long`); else None
         self.rope_long_from: int | None = getattr(runner, "rope_long_from", None)
 
     # ---- requests ---------------------------------------------------------------------------
@@ -351,7 +351,7 @@ class EngineCore:
         return deltas
 
     def _rope_long(self, request: Request) -> None:
-        """longrope (Phi-3, Phi-4-mini), as transformers runs it: a sequence longer than the
+        """longrope, as transformers runs it: a sequence longer than the
         original context length turns every position with the long factors, a shorter one
         with the short ones. A request that is long when it arrives (or is rebuilt) is long
         from its first token; its K/V differ from a short sequence's, so the prefix-cache salt
@@ -365,7 +365,7 @@ class EngineCore:
     def _rope_crossings(self, new_tokens: dict, finished: dict) -> None:
         """A request whose sequence just grew past the original length: its K/V, turned short,
         are recomputed long (preempted by recompute, its output kept), as transformers'
-        Phi3 `generate` recomputes the whole sequence at that point."""
+        `generate` of a longrope model recomputes the whole sequence at that point."""
         for rid in new_tokens:
             request = self.scheduler.requests.get(rid)
             if request is None or rid in finished or request.rope_long:

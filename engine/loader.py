@@ -1,4 +1,4 @@
-"""Load a Hugging Face model directory into `LlamaForCausalLM` (weights only; no tokenizer).
+"""Load a Hugging Face model directory into its family's model (weights only; no tokenizer).
 
 Reads `config.json`, the safetensors weights (one `model.safetensors`, or shards listed by
 `model.safetensors.index.json`) and, when present, `generation_config.json`. The model is built
@@ -19,7 +19,7 @@ from safetensors import safe_open
 
 from fairbatch.engine.attention import get_attn_backend
 from fairbatch.engine.config import ModelConfig, eos_ids
-from fairbatch.engine.model import LlamaForCausalLM
+from fairbatch.engine.models import CausalLM, build_model
 from fairbatch.engine.ops import onednn_usable
 
 SINGLE_FILE = "model.safetensors"
@@ -31,7 +31,7 @@ def load_hf_model(
     device: torch.device | str = "cpu",
     dtype: torch.dtype | None = None,
     attn_backend: str | None = None,
-) -> tuple[LlamaForCausalLM, ModelConfig, dict[str, Any]]:
+) -> tuple[CausalLM, ModelConfig, dict[str, Any]]:
     """Returns (model in eval mode, its config, generation defaults).
 
     dtype: `default_dtype` unless given. attn_backend: a registry name, or
@@ -56,7 +56,7 @@ def load_hf_model(
 
     files = weight_files(root)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, attn_backend=backend.name)
+        model = build_model(config, attn_backend=backend.name)
     model = model.to(dtype).to_empty(device=device)
     model.load_weights(_iter_tensors(files))
     return model.eval(), config, generation

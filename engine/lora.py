@@ -14,8 +14,8 @@ many tenants' adapters.
 
 An adapter's delta on a module is PEFT's `lora_B(lora_A(x)) * scaling` with scaling
 `lora_alpha / r` (`lora_alpha / sqrt(r)` with `use_rslora`). The engine fuses q/k/v into one
-`qkv_proj` and gate/up into one `gate_up_proj` (every architecture; Phi3 checkpoints store them
-fused, and Phi3 adapters target the fused modules by those names). For a fused projection the
+`qkv_proj` and gate/up into one `gate_up_proj` (every architecture; a checkpoint that stores
+them fused has adapters that target the fused modules by those names). For a fused projection the
 pool holds A stacked per sub-projection and B block-diagonal (`fused_lora_weights`): the
 sub-projections' deltas land in their own output rows, exactly, in one delta per fused linear.
 """
@@ -30,17 +30,10 @@ from torch import nn
 
 from fairbatch.engine.config import ModelConfig
 from fairbatch.engine.lora_adapter import LoRAAdapter, module_shape
+from fairbatch.engine.models.decoder import PROJECTIONS
 from fairbatch.engine.sampling_params import LoRARequest
 
 __all__ = ["LoRAAdapter", "LoRAPool", "LoRARequest", "add_lora", "attach_lora", "lora_groups"]
-
-# Engine projection -> the modules (HF names) whose rows it stacks, in row order.
-PROJECTIONS: dict[str, tuple[str, ...]] = {
-    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
-    "o_proj": ("o_proj",),
-    "gate_up_proj": ("gate_proj", "up_proj"),
-    "down_proj": ("down_proj",),
-}
 
 
 def projection_shape(config: ModelConfig, projection: str) -> tuple[int, list[int]]:
@@ -61,8 +54,8 @@ def fused_lora_weights(
     (its output rows, those columns) of B; everything else is zero. So `B @ (A @ x)` is each
     module's `B_k @ (A_k @ x)` in its own output rows: exact (the zero blocks add exact zeros),
     and one delta per fused linear. A module the adapter does not adapt stays zero. A fused
-    module an adapter targets by itself (Phi3's qkv_proj, gate_up_proj) fills block 0 of A and
-    the first r columns of B, all its rows.
+    module an adapter targets by itself (a fused checkpoint's qkv_proj, gate_up_proj) fills
+    block 0 of A and the first r columns of B, all its rows.
     """
     if adapter.rank > max_rank:
         raise ValueError(f"adapter rank {adapter.rank} exceeds max_rank {max_rank}")
@@ -306,7 +299,7 @@ class LoRALinear(nn.Module):
 
 
 def attach_lora(model: nn.Module, pool: LoRAPool) -> LoRAContext:
-    """Wrap every decoder layer's projections of an engine model (`LlamaForCausalLM`) in
+    """Wrap every decoder layer's projections of an engine model (`CausalLM`) in
     `LoRALinear`s reading one context; returns it (the runner sets its slots per step).
     A mixture-of-experts layer's MLP is left alone (adapters may not target it)."""
     ctx = LoRAContext(pool)

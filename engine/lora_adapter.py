@@ -14,7 +14,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from fairbatch.engine.config import FUSED_CHECKPOINTS, ModelConfig
+from fairbatch.engine.config import ModelConfig
+from fairbatch.engine.models import model_class
+from fairbatch.engine.models.decoder import PROJECTIONS
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -53,10 +55,9 @@ PLAIN_INITS = (True, False, "gaussian", "eva", "orthogonal")
 
 def target_modules(config: ModelConfig) -> tuple[str, ...]:
     """The HF module names an adapter for `config` may target: the checkpoint's own linears in
-    the decoder layers (Phi3's are fused)."""
-    if config.architecture in FUSED_CHECKPOINTS:
-        return ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-    return ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    the decoder layers (split or fused as the checkpoint stores them)."""
+    stacked = model_class(config).stacked
+    return tuple(name for p in PROJECTIONS for name in stacked.get(p, (p,)))
 
 
 def module_shape(config: ModelConfig, module: str) -> tuple[int, int]:
@@ -153,8 +154,8 @@ def _check_config(cfg: dict, base: ModelConfig, where: str) -> tuple[int, float,
         bad = [t for t in targets if t not in allowed]
         if bad:
             raise fail(
-                f"unsupported target_modules {bad} for {base.architecture}; LoRA is supported "
-                f"on {list(allowed)} only"
+                f"unsupported target_modules {bad} for {base.architecture or 'this model'}; "
+                f"LoRA is supported on {list(allowed)} only"
             )
     return rank, float(cfg.get("lora_alpha", 8)), bool(cfg.get("use_rslora", False))
 

@@ -2,14 +2,14 @@
 
 cos/sin come from float32 positions times float32 inverse frequencies, are multiplied by the
 rope type's attention factor (1 but for longrope) and cast to the activation dtype; q and k turn
-in the rotate-half (GPT-NeoX) convention. With `partial_rotary_factor` < 1 (Phi-4-mini: 0.75)
-only the first `rotary_dim` of each head turns, the rest passes through.
+in the rotate-half (GPT-NeoX) convention. With `partial_rotary_factor` < 1 (e.g. 0.75) only
+the first `rotary_dim` of each head turns, the rest passes through.
 
-longrope (Phi-3 / Phi-4-mini) has two sets of per-frequency factors. transformers picks one
-per forward call (`max(position_ids) + 1 > original` selects long_factor for the whole call),
-and Phi3's `generate` adds a rule: when a sequence first grows past the original length it
-drops its cache and recomputes every position with long_factor. So a sequence turns all its
-positions with the factors its length says: short while it has at most
+longrope has two sets of per-frequency factors. transformers picks one per forward call
+(`max(position_ids) + 1 > original` selects long_factor for the whole call), and the
+`generate` of its longrope models adds a rule: when a sequence first grows past the original
+length it drops its cache and recomputes every position with long_factor. So a sequence turns
+all its positions with the factors its length says: short while it has at most
 `original_max_position_embeddings` tokens, long once it has more. The engine does the same per
 request (EngineCore._rope_long): a request longer than that when it arrives is long from its
 first token, one that grows past it is recomputed long at that point (a recompute

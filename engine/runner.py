@@ -26,7 +26,7 @@ from fairbatch.engine.cuda_graphs import (
     graph_step_inputs,
     padded_batch_size,
 )
-from fairbatch.engine.model import LlamaForCausalLM
+from fairbatch.engine.models import CausalLM
 from fairbatch.engine.sampler import Sampler
 from fairbatch.engine.sampling_params import SamplingParams
 from fairbatch.engine.staging import IntRows, Staging, host_ints, read_to_host
@@ -57,7 +57,7 @@ class _OutputsOf(Sequence):
 class ModelRunner:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         cache_engine: CacheEngine,
         sampler: Sampler | None = None,
         stage_inputs: bool | None = None,  # one staged copy per step; default: on CUDA
@@ -82,7 +82,7 @@ class ModelRunner:
         self._timers: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # not yet read
         # LoRA adapters (engine/lora.py's attach_lora): the step's slot per token goes here
         self.lora = None
-        # longrope (Phi-3): the original context length, past which a sequence turns long
+        # longrope: the original context length, past which a sequence turns long
         self.rope_long_from = model.model.rotary.long_from
 
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:

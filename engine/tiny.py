@@ -1,4 +1,4 @@
-"""The embedded default model: a small Llama with fixed random weights and the shipped tokenizer.
+"""The embedded default model: a small decoder with fixed random weights and the shipped tokenizer.
 
 No download and no `transformers`: the weights come from a seeded generator, so every run (and
 every replica) builds the same model. Its text is gibberish; its tokens are exact and
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from fairbatch.engine.config import ModelConfig
-from fairbatch.engine.model import LlamaForCausalLM
+from fairbatch.engine.models import CausalLM
 from fairbatch.engine.tokenizer import Tokenizer
 
 TINY_SEED = 1234
@@ -30,7 +30,6 @@ def tiny_config(vocab_size: int, eos_token_ids: tuple[int, ...] = ()) -> ModelCo
         rope_theta=10000.0,
         max_position_embeddings=2048,
         eos_token_ids=eos_token_ids,
-        architecture="LlamaForCausalLM",
     )
 
 
@@ -38,12 +37,12 @@ def build_tiny(
     device: torch.device | str = "cpu",
     dtype: torch.dtype | None = None,
     attn_backend: str | None = None,
-) -> tuple[LlamaForCausalLM, ModelConfig, Tokenizer]:
+) -> tuple[CausalLM, ModelConfig, Tokenizer]:
     tokenizer = Tokenizer.tiny()
     config = tiny_config(tokenizer.vocab_size, tuple(tokenizer.eos_token_ids))
     device = torch.device(device)
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    model = LlamaForCausalLM(config, attn_backend=attn_backend)
+    model = CausalLM(config, attn_backend=attn_backend)
     gen = torch.Generator().manual_seed(TINY_SEED)
     with torch.no_grad():
         # Fill in name order from one seeded CPU generator: identical on every machine/device.

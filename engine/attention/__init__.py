@@ -22,7 +22,7 @@ Contract of a backend (one instance per model serves every layer; it may keep sc
   attending only to the first `seq_lens[s]` positions of each sequence. The torch backend reads
   decode context as whole blocks and masks the tail, so unwritten slots must hold finite values
   (the cache engine zero-fills; K/V written later are the model's own).
-  `sliding_window` is the calling layer's own (Gemma 3 interleaves windowed and full layers
+  `sliding_window` is the calling layer's own (a model may interleave windowed and full layers
   over the same cache and block tables); a model with several windows stages one step plan
   per window (`StepPlans`).
 

@@ -33,9 +33,9 @@ class FlashAttentionBackend(AttentionBackend):
     One kernel call covers the whole mixed batch: `causal=True` aligns the mask bottom-right,
     which is exactly "query i of q_len sits at seq_len - q_len + i". A sliding window is the
     calling layer's own (`window_size`, per call), so interleaved windowed and full layers
-    (Gemma 3) share the cache and block tables; a constant per layer, it captures in a graph.
-    No model the engine loads soft-caps attention logits (Gemma 3's transformers model reads
-    `attn_logit_softcapping` but never applies it), so no `softcap` is passed.
+    share the cache and block tables; a constant per layer, it captures in a graph.
+    No model the engine loads soft-caps attention logits (`attn_logit_softcapping` is read,
+    never applied, as in transformers: engine/models/decoder.py), so no `softcap` is passed.
     """
 
     name = "flash"

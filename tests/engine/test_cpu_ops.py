@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-import fairbatch.engine.model as model_module
+import fairbatch.engine.models.decoder as decoder_module
 import fairbatch.engine.ops as ops_module
 from fairbatch.engine.attention import AttentionMetadata
 from fairbatch.engine.loader import default_dtype, load_hf_model
@@ -85,7 +85,7 @@ def test_packed_model_matches_hf(ckpt: str, request, monkeypatch) -> None:
     model.pack_for_cpu()
     assert not any(isinstance(m, nn.Linear) for m in model.modules())
     # Slices of 7 rows, so the sliced MLP runs (and a last, shorter slice) on small prompts.
-    monkeypatch.setattr(model_module, "CPU_MLP_ROWS", 7)
+    monkeypatch.setattr(decoder_module, "CPU_MLP_ROWS", 7)
     prompts = _prompts()
     torch.testing.assert_close(
         _logits(model, prompts), _hf_logits(path, prompts), atol=1e-4, rtol=1e-4

@@ -95,13 +95,13 @@ def test_settings_the_backend_cannot_run_fail_at_build_time():
 
 
 def test_flash_block_size_check_names_the_backend(monkeypatch):
-    from fairbatch.engine.model import LlamaForCausalLM
+    from fairbatch.engine.models import CausalLM
 
     class Flashy(FlashAttentionBackend):
         def __init__(self):  # no kernel needed to check settings
             pass
 
-    monkeypatch.setattr(LlamaForCausalLM, "attn_backend", lambda self, dev, dtype: Flashy())
+    monkeypatch.setattr(CausalLM, "attn_backend", lambda self, dev, dtype: Flashy())
     with pytest.raises(ValueError, match="multiple of 16.*'flash'"):
         build_engine("tiny", block_size=8)
 

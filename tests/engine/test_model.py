@@ -20,7 +20,8 @@ from fairbatch.engine.attention import (
 )
 from fairbatch.engine.config import ModelConfig
 from fairbatch.engine.loader import load_hf_model
-from fairbatch.engine.model import LlamaForCausalLM, rope_inv_freq
+from fairbatch.engine.models import CausalLM
+from fairbatch.engine.rope import rope_inv_freq
 from fairbatch.engine.staging import IntRows
 
 CKPTS = ["llama_ckpt", "llama3_ckpt", "qwen2_ckpt", "mistral_ckpt"]
@@ -58,7 +59,7 @@ class MiniEngine:
     """A paged step loop in miniature: blocks handed out by hand from a shuffled free list,
     chunked prefill under a token budget, and every running sequence in one flattened batch."""
 
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, seed: int):
+    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, seed: int):
         self.model, self.block_size = model, block_size
         layers = model.config.num_hidden_layers
         # Filled with a huge finite value, so any unmasked read of a slot that was never written

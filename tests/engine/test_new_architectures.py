@@ -32,10 +32,11 @@ from safetensors.torch import load_file, save_file
 from fairbatch.benchmarks import checkpoints
 from fairbatch.engine import LLM, SamplingParams
 from fairbatch.engine.attention import AttentionMetadata
-from fairbatch.engine.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from fairbatch.engine.config import ModelConfig
 from fairbatch.engine.loader import load_hf_model
-from fairbatch.engine.mlp import SparseMoeBlock
-from fairbatch.engine.model import LlamaForCausalLM
+from fairbatch.engine.models import CausalLM, architectures, build_model
+from fairbatch.engine.models.decoder import SparseMoeBlock
+from fairbatch.engine.models.gemma3 import Gemma3ForCausalLM
 from fairbatch.tests.engine.test_generate import (
     GREEDY,
     NEW_TOKENS,
@@ -399,7 +400,7 @@ def test_moe_layer_layout_matches_transformers(layers: int, step: int, mlp_only:
     hf = Qwen3MoeForCausalLM(hf_config)
     config = ModelConfig.from_hf_dict(hf_config.to_dict())
     with torch.device("meta"):
-        ours = LlamaForCausalLM(config)
+        ours = build_model(config)
     expected = [isinstance(layer.mlp, Qwen3MoeSparseMoeBlock) for layer in hf.model.layers]
     assert [isinstance(layer.mlp, SparseMoeBlock) for layer in ours.model.layers] == expected
     assert [config.is_moe_layer(i) for i in range(layers)] == expected
@@ -414,8 +415,8 @@ def test_unsupported_architecture_fails_at_load_naming_the_supported(ckpts, tmp_
     )
     with pytest.raises(ValueError, match="unsupported architecture 'Qwen3NextForCausalLM'") as e:
         LLM(str(alien), num_gpu_blocks=16)
-    assert all(name in str(e.value) for name in SUPPORTED_ARCHITECTURES)
-    assert {"Qwen3ForCausalLM", "Qwen3MoeForCausalLM"} <= set(SUPPORTED_ARCHITECTURES)
+    assert all(name in str(e.value) for name in architectures())
+    assert {"Qwen3ForCausalLM", "Qwen3MoeForCausalLM"} <= set(architectures())
 
     windowed = {**config, "use_sliding_window": True, "sliding_window": 16}
     (alien / "config.json").write_text(json.dumps(windowed))
@@ -607,7 +608,8 @@ def test_gemma3_config_reads_as_transformers_does(ckpts, hf_models) -> None:
     assert config.attention_windows == (GEMMA_WINDOW, None)
     assert (config.rope_local_theta, config.rope_theta) == (10000.0, 1000000.0)
     assert config.rope_scaling == {"rope_type": "linear", "factor": 8.0}
-    assert config.tie_word_embeddings and config.qk_norm and config.gemma
+    assert config.tie_word_embeddings and config.qk_norm
+    assert isinstance(model, Gemma3ForCausalLM)
     assert config.hidden_act == "gelu_pytorch_tanh" and written["hidden_act"] == "silu"
     assert model.model.layers[0].self_attn.scale == 24**-0.5 == hf.model.layers[0].self_attn.scaling
 
@@ -630,7 +632,7 @@ def test_gemma3_window_and_softcap_bind(ckpts, hf_models) -> None:
     n, block_size = len(prompt), 4
     table = list(range(math.ceil(n / block_size)))
 
-    def run(m: LlamaForCausalLM) -> torch.Tensor:
+    def run(m: CausalLM) -> torch.Tensor:
         caches = [torch.zeros(m.kv_cache_shape(32, block_size)) for _ in range(6)]
         meta, positions = AttentionMetadata.build([n], [n], [table], block_size)
         return m.compute_logits(m(torch.tensor(prompt), positions, caches, meta))
@@ -642,7 +644,7 @@ def test_gemma3_window_and_softcap_bind(ckpts, hf_models) -> None:
     for layer in model.model.layers:
         layer.self_attn.sliding_window = None
     assert (run(model) - ref)[GEMMA_WINDOW:].abs().amax() > 1e-2
-    uncapped = LlamaForCausalLM(
+    uncapped = build_model(
         dataclasses.replace(config, final_logit_softcapping=None), attn_backend="torch"
     )
     uncapped.load_state_dict(model.state_dict())
@@ -694,7 +696,7 @@ def test_gemma3_attn_softcapping_is_read_not_applied(ckpts, hf_models, caplog) -
     assert config.attn_logit_softcapping == 0.5
     with caplog.at_level("WARNING"):
         with torch.device("meta"):
-            LlamaForCausalLM(config)
+            build_model(config)
     assert "attn_logit_softcapping=0.5 is not applied" in caplog.text
 
 

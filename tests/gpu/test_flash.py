@@ -23,7 +23,7 @@ from fairbatch.engine.attention import (
     get_attn_backend,
 )
 from fairbatch.engine.loader import load_hf_model
-from fairbatch.engine.model import LlamaForCausalLM
+from fairbatch.engine.models import CausalLM
 
 HAS_CUDA = torch.cuda.is_available()
 FLASH_REASON = (
@@ -124,7 +124,7 @@ def gpu_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def _two_step_logits(model: LlamaForCausalLM, device: torch.device) -> torch.Tensor:
+def _two_step_logits(model: CausalLM, device: torch.device) -> torch.Tensor:
     """Logits of two paged steps: first chunks, then the rest (chunks with context + decodes)."""
     totals = [2, 17, 64, 200, 6, 33]
     first = [1, 9, 63, 128, 5, 32]
