@@ -123,12 +123,14 @@ class _FakeController:
         self.down = False
         self.ack = ack
         self.submitted: list[tuple[str, list[str]]] = []
+        self.ended: list[tuple[str, int]] = []  # end notices, as submissions carried them
         self.streams: list[asyncio.Queue] = []
 
-        async def submit_many(subscriber, metas):
+        async def submit_many(subscriber, metas, ended=()):
             if self.down:
                 raise ConnectionError("controller down")
             self.submitted.append((subscriber, [m.request_id for m in metas]))
+            self.ended.extend(ended)
             return [m.request_id for m in metas] if self.ack else []
 
         self.submit_many = _Method(submit_many)
@@ -225,3 +227,31 @@ def test_a_controller_restart_voids_the_acknowledgement_and_the_request_is_sent_
     assert assignment.request_id == "r0"
     assert [rids for _, rids in submitted] == [["r0"], ["r0"]]
     assert submitted[0][0] != submitted[1][0]  # sent again under the new subscriber id
+
+
+def test_ended_streams_ride_along_with_the_next_submission_and_survive_a_failed_one():
+    """`end(rid, n)` is told to the controller with the next `submit_many` (not a call of its
+    own); a submission that fails keeps the notices for the one that succeeds."""
+
+    async def main():
+        fake = _FakeController()
+        batcher = AdmissionBatcher(lambda: fake)
+        first = asyncio.ensure_future(batcher.admit(meta(0, None), 30.0, ack_timeout_s=5.0))
+        while not fake.submitted:
+            await asyncio.sleep(0.01)
+        fake.assign("r0")
+        await first
+        batcher.end("r0", 7)
+        await asyncio.sleep(0.05)
+        assert fake.ended == []  # nothing to submit: nothing sent
+        fake.down = True
+        second = asyncio.ensure_future(batcher.admit(meta(1, None), 30.0, ack_timeout_s=5.0))
+        await asyncio.sleep(0.2)  # (its submission fails, retried)
+        fake.down = False
+        while len(fake.submitted) < 2:
+            await asyncio.sleep(0.01)
+        fake.assign("r1")
+        await second
+        return fake.ended
+
+    assert run(main()) == [("r0", 7)]
