@@ -39,6 +39,12 @@ class RequestDelta:
     # entry 0 None, then one per prompt token) and the prompt tokens found in the prefix cache.
     prompt_logprobs: list[Any] | None = None
     num_cached_tokens: int | None = None
+    # With the last delta: how often the engine preempted it (usage records)
+    num_preemptions: int | None = None
+    # In a cluster (set by its client): the replica that produced these tokens and, with the
+    # last delta, how many replicas the request left on the way (migrations, resubmissions)
+    replica_id: str | None = None
+    num_moves: int | None = None
 
 
 @dataclass
@@ -280,6 +286,7 @@ class EngineCore:
 
     def abort(self, request_id: str) -> bool:
         self.detoks.pop(request_id, None)
+        self.scheduler.ended_preemptions.pop(request_id, None)
         self._first.pop(request_id, None)
         held = self.structured is not None and self.structured.take(request_id) is not None
         return self.scheduler.abort(request_id) or held
@@ -403,7 +410,10 @@ class EngineCore:
                 text += detok.finish()
             if finished:
                 del self.detoks[rid]
-        return RequestDelta(rid, tokens, text, finished, reason, [lp] if lp else None)
+        delta = RequestDelta(rid, tokens, text, finished, reason, [lp] if lp else None)
+        if finished:
+            delta.num_preemptions = self.scheduler.ended_preemptions.pop(rid, 0)
+        return delta
 
     # ---- controller hooks -------------------------------------------------------------------
 

@@ -65,6 +65,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.swapped: list[Request] = []
         self._finished_ids: set[str] = set()
+        # request id -> times it was preempted, for those that ended preempted at least once
+        # (not aborted): the engine puts it on the request's last output (usage records)
+        self.ended_preemptions: dict[str, int] = {}
         self._seq = 0
         self.num_preemptions = {"swap": 0, "recompute": 0}
         self.num_swapped_blocks = {"out": 0, "in": 0}
@@ -150,6 +153,8 @@ class Scheduler:
         self.kept_seats.release(request.request_id)
         del self.requests[request.request_id]
         self._finished_ids.add(request.request_id)
+        if request.num_preemptions and status != RequestStatus.FINISHED_ABORTED:
+            self.ended_preemptions[request.request_id] = request.num_preemptions
 
     def _dequeue(self, request: Request) -> None:
         """Take a request that is not running out of its queue (swapped, waiting or held)."""

@@ -26,7 +26,8 @@ from fairbatch.engine.core import RequestDelta
 
 def merge(deltas: list[Any]) -> Any:
     """One delta with the tokens, text and logprobs of `deltas` (in order); finished as the
-    last one is; the first delta's prompt log-probs and cached-token count, wherever they are."""
+    last one is; the first delta's prompt log-probs and cached-token count, wherever they are;
+    the last one's replica, preemption and move counts."""
     if len(deltas) == 1:
         return deltas[0]
     last = deltas[-1]
@@ -46,6 +47,8 @@ def merge(deltas: list[Any]) -> Any:
             (v for v in (getattr(d, name, None) for d in deltas) if v is not None), None
         )
         setattr(merged, name, merged_value)
+    for name in ("num_preemptions", "replica_id", "num_moves"):  # the last delta's
+        setattr(merged, name, getattr(last, name, None))
     return merged
 
 

@@ -100,6 +100,21 @@ class MetricsConfig(_Strict):
     require_admin_key: bool = False  # 401 without the admin key, as the admin routes
 
 
+class UsageConfig(_Strict):
+    """The usage log (deployments/usage.py): one JSON line per request that ended, at `path`
+    on the head node (a cluster's fairness controller writes it), rotated at `max_bytes` with
+    `backups` older files kept."""
+
+    path: str = Field(min_length=1)
+    max_bytes: int = Field(default=64 << 20, ge=1024)
+    backups: int = Field(default=10, ge=0, le=1000)
+
+    def spec(self) -> Any:
+        from fairbatch.deployments.usage import UsageSpec
+
+        return UsageSpec(self.path, self.max_bytes, self.backups)
+
+
 class AppConfig(_Strict):
     """The app args. The embedded default (`AppConfig()`) serves the tiny model to anyone."""
 
@@ -127,6 +142,7 @@ class AppConfig(_Strict):
     reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = None
     # LoRA adapters served as models besides the base model (the engine needs max_loras > 0)
     lora_adapters: list[LoRAAdapterConfig] = Field(default_factory=list)
+    usage: UsageConfig | None = None  # None: no usage records are kept
     # Cluster-layer settings (replicas, routing, engine kwargs) are passed through untouched
     # for the app builder; the ingress itself does not read them.
     num_replicas: int = Field(default=1, ge=1)

@@ -64,7 +64,7 @@ class ResponseRun:
         # chat: the output's converter into the message (tool calls, reasoning; ChatPlan), or
         # None for plain content
         self.output = output
-        self.cached_tokens = 0
+        ticket.model = self.model
         self.text_len = 0
         self.created = ticket.created
         self.object = "chat.completion" if chat else "text_completion"
@@ -78,6 +78,7 @@ class ResponseRun:
             return
         self.closed = True
         self.api.registry.release(self.ticket)
+        self.ticket.reasoning_tokens = getattr(self.output, "reasoning_tokens", None) or 0
         self.api.finish_log(self.ticket, self.outcome)
         # The end of deltas() closes it too, on purpose: while the coalescer's reader is inside
         # the stream, this close fails ("already running", logged) and that one does it.
@@ -101,13 +102,7 @@ class ResponseRun:
     def account(self, delta: Any) -> None:
         if self.discard_output:
             delta.token_ids, delta.text, delta.logprobs = [], "", None
-        self.ticket.charge(len(delta.token_ids))
-        cached = getattr(delta, "num_cached_tokens", None)  # the first delta's, once
-        if cached is not None and not self.cached_tokens:
-            self.cached_tokens = cached
-        if delta.finished:
-            self.ticket.finished = True
-            self.ticket.finish_reason = delta.finish_reason
+        self.ticket.observe(delta)
 
     def outcome_error(self, reason: str | None) -> ApiError | None:
         if reason in ("abort", "error"):
@@ -138,7 +133,7 @@ class ResponseRun:
         split this output)."""
         t = self.ticket
         reasoning = getattr(self.output, "reasoning_tokens", None)
-        return t.prompt_tokens, t.completion_tokens, self.cached_tokens, reasoning
+        return t.prompt_tokens, t.completion_tokens, t.cached_tokens, reasoning
 
     async def collect(self) -> dict:
         """The whole choice (raises ApiError when the request failed or was cancelled)."""

@@ -1,8 +1,8 @@
 """The routes around generation: GET /health, GET /v1/models[/{model}] (the base model and
 the LoRA adapters the caller may use), the caller's own requests (GET|DELETE
 /v1/requests/{id}), and the admin routes (GET /admin/tenants, GET /admin/stats, PATCH
-/admin/tenants/{name}, GET|POST /admin/loras, DELETE /admin/loras/{name}). Each reads the
-app's `_Api` (server.py)."""
+/admin/tenants/{name}, GET /admin/usage, GET|POST /admin/loras, DELETE /admin/loras/{name}).
+Each reads the app's `_Api` (server.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from fastapi.responses import JSONResponse
 
 from fairbatch.deployments.api import schemas as S
 from fairbatch.deployments.api.http import maybe_await, read_json, validate
-from fairbatch.deployments.api.schemas import ApiError
+from fairbatch.deployments.api.schemas import ApiError, bad_request
+from fairbatch.deployments.usage import parse_period
 
 if TYPE_CHECKING:
     from fairbatch.deployments.api.server import _Api
@@ -136,6 +137,29 @@ async def stats(request: Request) -> dict:
         "rejected": reg.rejected_total,
         "in_flight": reg.total_in_flight,
     }
+
+
+@router.get("/admin/usage")
+async def usage(
+    request: Request, tenant: str | None = None, since: str | None = None, until: str | None = None
+) -> dict:
+    """Per-tenant sums of the usage records of requests that ended in [since, until) (Unix
+    seconds or ISO 8601; either may be left out), of one `tenant` when given."""
+    api: _Api = request.app.state.api
+    api.require_admin(request)
+    try:
+        lo, hi = parse_period(since, until)
+    except ValueError as e:
+        raise bad_request(str(e), "since" if str(e).startswith("since") else "until") from None
+    api.ready()
+    try:
+        summary = await api.usage_summary(tenant, lo, hi)
+    except ApiError:
+        raise
+    except Exception:
+        log.error("usage summary failed", exc_info=True)
+        raise ApiError(503, "the usage log could not be read", type="server_error") from None
+    return {"object": "usage", **summary}
 
 
 @router.patch("/admin/tenants/{name}")

@@ -56,6 +56,7 @@ from fairbatch.deployments.api.tenants import (
     TenantRegistry,
     TenantState,
 )
+from fairbatch.deployments.usage import UsageLog, UsageRecord
 from fairbatch.engine.sampling_params import LoRARequest
 
 log = logging.getLogger("fairbatch.api")
@@ -86,6 +87,7 @@ class _Api:
         for a in config.lora_adapters:  # checked against the engine when a backend is bound
             self.loras.add(self.loras.entry(a.name, a.path, a.tenants))
         self.created = int(time.time())
+        self.usage_log: UsageLog | None = None
         self.backend: Any = None
         if backend is not None:
             self.bind(backend)
@@ -98,6 +100,13 @@ class _Api:
             self.max_model_len = min(self.max_model_len, self.limits.max_model_len)
         self.logprobs = S.LogprobFormatter(self.tokenizer)
         self.backend = backend
+        self.usage = None  # where usage records go: the backend's log (a cluster's) or ours
+        if self.config.usage is not None:
+            self.usage = getattr(backend, "record_usage", None)
+            if self.usage is None:
+                if self.usage_log is None:
+                    self.usage_log = UsageLog(self.config.usage.spec())
+                self.usage = self.usage_log.append
 
     def ready(self) -> None:
         if self.backend is None:
@@ -286,6 +295,7 @@ class _Api:
         try:
             for j, i in plan:
                 tickets[j, i] = self.admit(tenant, prefix, len(jobs[j][0]) if i == 0 else 0)
+                tickets[j, i].response_id = tickets[plan[0]].request_id  # the reply's id
         except ApiError:
             for t in tickets.values():  # the admitted part is given back
                 self.registry.release(t)
@@ -359,6 +369,7 @@ class _Api:
             if isinstance(e, Rejected):  # over a cluster-wide limit (the controller's)
                 self.registry.refund(ticket)
                 self.registry.count_rejection(ticket.tenant)
+                self.record_usage(ticket, "refused")
                 raise self.rejection(ticket.tenant, e) from None
             if isinstance(e, ValueError):
                 self.registry.refund(ticket)
@@ -367,7 +378,7 @@ class _Api:
                 e = RuntimeError("the backend stream ended without output")
             if isinstance(e, Exception):
                 log.warning("backend failed request_id=%s: %s", ticket.request_id, type(e).__name__)
-                self.metrics.finished(ticket, "error")
+                self.finish_log(ticket, "error")
                 raise self.backend_error(ticket) from None
             raise
         return it, first
@@ -378,6 +389,8 @@ class _Api:
         return self.unavailable("the model backend failed to serve this request; retry later")
 
     def finish_log(self, ticket: Admission, outcome: str) -> None:
+        """The request ended: `outcome` "ok" (its finish reason is the ticket's), or how it
+        was cut ("client_gone", "error", ...)."""
         self.metrics.finished(ticket, outcome)
         log.info(
             "request_id=%s tenant=%s outcome=%s prompt_tokens=%d completion_tokens=%d",
@@ -387,6 +400,35 @@ class _Api:
             ticket.prompt_tokens,
             ticket.completion_tokens,
         )
+        self.record_usage(ticket, (ticket.finish_reason or "stop") if outcome == "ok" else outcome)
+
+    def record_usage(self, ticket: Admission, finish_reason: str) -> None:
+        """The request's usage record, once, to the usage log (when one is kept)."""
+        if self.usage is None or ticket.meta.get("recorded"):
+            return
+        ticket.meta["recorded"] = True
+        t = ticket
+        record = UsageRecord(
+            t.request_id, t.response_id or t.request_id, t.tenant.name,
+            t.model or self.model_name, t.prompt_tokens, t.cached_tokens,
+            t.completion_tokens, t.reasoning_tokens, finish_reason, t.arrival,
+            t.first_token, time.time(), t.replica, t.preemptions, t.moves,
+        )  # fmt: skip
+        try:
+            self.usage([record])
+        except Exception:  # a full disk must not fail the request; the log says it
+            log.error("usage record of request_id=%s not written", t.request_id, exc_info=True)
+
+    async def usage_summary(self, tenant: str | None, since: float, until: float) -> dict:
+        """Per-tenant sums over the usage log (the backend's, a cluster's, or this app's)."""
+        if self.config.usage is None:
+            raise ApiError(
+                404, "usage records are off: set `usage.path` in the app config",
+                code="usage_disabled",
+            )  # fmt: skip
+        if self.usage_log is not None:
+            return await asyncio.to_thread(self.usage_log.summary, tenant, since, until)
+        return await maybe_await(self.backend.usage_summary(tenant, since, until))
 
 
 def create_app(

@@ -22,6 +22,7 @@ import hmac
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from fairbatch.deployments.api.config import AppConfig, TenantConfig, sha256_hex
 from fairbatch.policies.quota import Rejected, TokenBucket, refusal
@@ -109,6 +110,34 @@ class Admission:
     finish_reason: str | None = None
     cancelled: bool = False
     meta: dict = field(default_factory=dict)
+    # For its usage record (deployments/usage.py): the model id it named, the response it
+    # belongs to, times (Unix seconds) and what the backend said about where it ran
+    model: str = ""
+    response_id: str = ""
+    arrival: float = field(default_factory=time.time)
+    first_token: float | None = None
+    cached_tokens: int = 0
+    reasoning_tokens: int = 0
+    replica: str | None = None
+    preemptions: int = 0
+    moves: int = 0
+
+    def observe(self, delta: Any) -> None:
+        """Take in one backend delta: its tokens charged, its facts for the usage record."""
+        if delta.token_ids and self.first_token is None:
+            self.first_token = time.time()
+        self.charge(len(delta.token_ids))
+        cached = getattr(delta, "num_cached_tokens", None)  # the first delta's, once
+        if cached and not self.cached_tokens:
+            self.cached_tokens = cached
+        replica = getattr(delta, "replica_id", None)
+        if replica:
+            self.replica = replica
+        if delta.finished:
+            self.finished = True
+            self.finish_reason = delta.finish_reason
+            self.preemptions = getattr(delta, "num_preemptions", None) or 0
+            self.moves = getattr(delta, "num_moves", None) or 0
 
     def charge(self, completion_tokens: int) -> None:
         """Charge newly produced completion tokens to the tenant's bucket."""

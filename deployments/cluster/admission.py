@@ -22,6 +22,7 @@ from fairbatch.deployments.cluster import trace
 from fairbatch.deployments.cluster.wire import RequestMeta
 
 log = logging.getLogger(__name__)
+USAGE_FLUSH_S = 1.0  # usage records wait at most this long for a submission to ride with
 
 
 class AdmissionTimeout(TimeoutError):
@@ -63,6 +64,10 @@ class AdmissionBatcher:
         self.outbox: list[RequestMeta] = []
         # (request id, output tokens) of streams seen to end, told with the next submission
         self.ended: list[tuple[str, int]] = []
+        # usage records of requests that ended here: with the next submission, or on their
+        # own within USAGE_FLUSH_S (the controller writes the log)
+        self.usage: list[Any] = []
+        self._usage_due: asyncio.TimerHandle | None = None
         self.kick = asyncio.Event()
         self.hurry = False  # a request of a class above 0 is in the outbox: no linger
         self.subscribed = asyncio.Event()
@@ -111,6 +116,18 @@ class AdmissionBatcher:
             del self.ended[: self.max_batch]
         self.ended.append((request_id, num_out))
 
+    def record(self, records: list[Any]) -> None:
+        """Usage records for the controller's log: sent within USAGE_FLUSH_S, kept (and sent
+        again) while the controller is restarting."""
+        self.usage.extend(records)
+        if self._usage_due is None:
+            self._usage_due = self.loop.call_later(USAGE_FLUSH_S, self._usage_flush)
+
+    def _usage_flush(self) -> None:
+        self._usage_due = None
+        if self.usage:
+            self.kick.set()
+
     async def _flush_loop(self) -> None:
         delay = 0.05
         while True:
@@ -124,15 +141,17 @@ class AdmissionBatcher:
             if self.outbox:
                 self.kick.set()
             batch = [m for m in batch if m.request_id in self.pending]  # not timed out
-            if not batch:
+            if not batch and not self.usage:
                 continue
             ended, self.ended = self.ended, []
+            usage, self.usage = self.usage, []
             try:
                 if trace.ON:
                     for m in batch:
                         trace.mark(m.request_id, "submit_sent")
                 generation = self.generation
-                ref = self.controller().submit_many.remote(self.subscriber, batch, ended)
+                args = (self.subscriber, batch, ended) + ((usage,) if usage else ())
+                ref = self.controller().submit_many.remote(*args)
                 held = await asyncio.wait_for(ref, timeout=30.0)
                 for rid in held if generation == self.generation else ():  # (not a dead one's)
                     p = self.pending.get(rid)
@@ -145,6 +164,7 @@ class AdmissionBatcher:
                 log.info("submit_many failed (%r); retrying", e)
                 self.outbox[:0] = batch
                 self.ended[:0] = ended
+                self.usage[:0] = usage
                 self.kick.set()
                 await asyncio.sleep(delay)
                 delay = min(1.0, delay * 2)

@@ -20,6 +20,7 @@ import ray
 
 from fairbatch.deployments.cluster import channel, trace
 from fairbatch.deployments.cluster.wire import Assignment, RequestMeta
+from fairbatch.deployments.usage import UsageRecord
 
 log = logging.getLogger(__name__)
 
@@ -28,11 +29,12 @@ MAX_SUCCESSORS = 4096  # re-subscriptions remembered (a few per client process a
 
 
 class ClientSide:
-    """Needs from the controller: `core` (FairnessCore), `handles`, `_apply`, `_spawn`,
-    `_background`."""
+    """Needs from the controller: `core` (FairnessCore), `handles`, `usage` (its
+    UsageLedger or None), `_apply`, `_spawn`, `_background`."""
 
     core: Any
     handles: dict[str, Any]
+    usage: Any
 
     def _init_clients(self) -> None:
         # subscriber id -> its assignments not yet streamed out
@@ -52,15 +54,22 @@ class ClientSide:
         self._successor: dict[str, str] = {}
 
     async def submit_many(
-        self, subscriber: str, metas: list[RequestMeta], ended: list[tuple[str, int]] = ()
+        self,
+        subscriber: str,
+        metas: list[RequestMeta],
+        ended: list[tuple[str, int]] = (),
+        usage: list[UsageRecord] = (),
     ) -> list[str]:
         """Queue (or place) `metas` for `subscriber`'s stream. Returns their ids: the
         client's acknowledgement that this controller holds them (queued or placed).
         `ended`: (request id, output tokens) of the streams the client has seen end since its
-        last call."""
+        last call; `usage`: the usage records of requests that ended there."""
         self._background()
         if ended:
             self.core.client_ended(ended)
+        ledger = self.usage
+        if usage and ledger is not None:
+            ledger.record(usage)
         while subscriber in self._successor:
             subscriber = self._successor[subscriber]
         outbox = self._outbox(subscriber)
@@ -78,6 +87,8 @@ class ClientSide:
             self._owner[rid] = subscriber
             if rid not in self.core.tickets:
                 self._apply(self.core.submit(meta))
+                if ledger is not None and rid in self.core.tickets:
+                    ledger.submitted(meta)
         return [m.request_id for m in metas]
 
     @ray.method(max_task_retries=0)  # a retried stream would skip items: re-subscribe instead

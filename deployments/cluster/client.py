@@ -175,6 +175,7 @@ class ClusterClient:
         delivered: list[int] = []
         sent: set[str] = set()  # the FIRST_ONLY fields the caller has had
         resubmits = 0
+        moves = 0  # replicas it left: migrations, drains, resubmissions after a death
         finished = False
         replica_id, handle = "", None
         rid = meta.request_id
@@ -214,8 +215,10 @@ class ClusterClient:
                             raise item
                         if isinstance(item, Moved) and item.replica is None:
                             _resubmission(meta, delivered, sent)  # requeued by a drain
+                            moves += 1
                             break
                         if isinstance(item, Moved):
+                            moves += 1
                             link.close(rid)
                             replica_id, handle = item.replica_id, item.replica
                             self._where[rid] = handle
@@ -227,6 +230,7 @@ class ClusterClient:
                         _pass_once(item, sent)
                         if item.finished:
                             finished = True
+                            item.num_moves = moves
                         if trace.ON:
                             trace.mark(rid, "yielded")
                         yield item
@@ -243,6 +247,7 @@ class ClusterClient:
                         return
                     await self._report_failure(replica_id)
                     _resubmission(meta, delivered, sent)
+                    moves += 1
                 except (RequestRefused, RayTaskError, asyncio.TimeoutError) as e:
                     # a bad request, or a stall
                     await self._abandon(rid, handle)
@@ -287,11 +292,20 @@ class ClusterClient:
         except Exception:  # it is gone
             pass
 
-    async def _admit(self, meta: RequestMeta):
+    def record_usage(self, records: list[Any]) -> None:
+        """Usage records for the cluster's log, sent with this process's submissions."""
+        self._admissions().record(records)
+
+    def _admissions(self) -> AdmissionBatcher:
+        """This event loop's batcher."""
         loop = asyncio.get_running_loop()
         if self._batcher is None or self._batcher.loop is not loop:
             self._batcher = AdmissionBatcher(self._controller, owner=self.owner())
-        return await self._batcher.admit(meta, self.admit_timeout_s, self.admission_timeout_s)
+        return self._batcher
+
+    async def _admit(self, meta: RequestMeta):
+        batcher = self._admissions()
+        return await batcher.admit(meta, self.admit_timeout_s, self.admission_timeout_s)
 
     async def _report_failure(self, replica_id: str) -> None:
         try:

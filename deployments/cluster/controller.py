@@ -52,7 +52,9 @@ from fairbatch.deployments.cluster.replica_set import (
     ReplicaSpec,
     Supervisor,
 )
+from fairbatch.deployments.cluster.usage_ledger import UsageLedger
 from fairbatch.deployments.cluster.wire import Assignment, ReplicaReport, RequestMeta
+from fairbatch.deployments.usage import UsageSpec
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +68,9 @@ class Controller(ClientSide):
     def __init__(self, config: ControllerConfig, replicas: ReplicaSet | None = None) -> None:
         self.config = config
         self.core = FairnessCore(config)
+        self.usage: UsageLedger | None = None  # the cluster's usage log (usage_ledger.py)
+        if config.usage is not None:
+            self.usage = UsageLedger(config.usage, config.usage_model, config.usage_grace_s)
         self.handles: dict[str, Any] = {}
         self._tasks: set[asyncio.Task] = set()
         self._pushed: dict[str, float] = {}
@@ -100,6 +105,8 @@ class Controller(ClientSide):
             await asyncio.sleep(self.silent_after_s / 5)
             self._apply(self.core.expire())  # queue deadlines pass between events too
             self._check_subscribers_due()
+            if self.usage is not None:  # requests whose ingress died: recorded here
+                self.usage.sweep(self.core.tickets)
             now = time.monotonic()
             for rid, seen in list(self._last_report.items()):
                 if now - seen > self.silent_after_s and rid in self.handles:
@@ -306,6 +313,9 @@ class Controller(ClientSide):
         if rep.handle is not None:
             self.handles[rid] = rep.handle
         self._last_report[rid] = time.monotonic()
+        if self.usage is not None:
+            for request_id, num_out in rep.finished:
+                self.usage.left_replica(request_id, rid, num_out)
         self._apply(self.core.report(rep))
         if new and rep.handle is not None:
             self._on_registered(rid, rep.handle)
@@ -452,6 +462,26 @@ class Controller(ClientSide):
 
     async def replica_handles(self) -> dict[str, Any]:
         return dict(self.handles)
+
+    # ---- usage ------------------------------------------------------------------------------
+
+    async def set_usage(self, spec: UsageSpec | None, model: str) -> None:
+        """Keep the cluster's usage log as the attaching ingress's config says (None: none)."""
+        self._background()
+        if self.usage is not None and self.usage.log.spec == spec:
+            self.usage.model = model
+            return
+        if self.usage is not None:
+            self.usage.close()
+        self.usage = None
+        if spec is not None:
+            self.usage = UsageLedger(spec, model, self.config.usage_grace_s)
+
+    async def usage_summary(self, tenant: str | None, since: float, until: float) -> dict:
+        """Per-tenant sums over the usage log (`UsageLog.summary`)."""
+        if self.usage is None:
+            raise ValueError("this cluster keeps no usage log")
+        return await asyncio.to_thread(self.usage.summary, tenant, since, until)
 
     async def ready(self, num_replicas: int) -> bool:
         return sum(1 for r in self.core.replicas.values() if r.synced) >= num_replicas

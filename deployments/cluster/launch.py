@@ -28,10 +28,14 @@ from fairbatch.deployments.cluster.fairness import ControllerConfig
 from fairbatch.deployments.cluster.managed import ClusterController, ClusterReplica
 from fairbatch.deployments.cluster.replica import ReplicaConfig
 from fairbatch.deployments.cluster.replica_set import ReplicaSet, ReplicaSpec
+from fairbatch.deployments.cluster.tickets import APP_SETTINGS
 
 log = logging.getLogger(__name__)
 
 NAMESPACE = "fairbatch"  # the cluster's actors live here, whatever job started them
+
+
+HEAD_NODE = "node:__internal_head__"  # a resource only Ray's head node has
 
 
 @dataclass
@@ -47,7 +51,8 @@ class ClusterSpec:
 
     def cluster_id(self) -> str:
         controller = asdict(self.controller)
-        controller.pop("limits")  # tenants' limits: each ingress sets them when it attaches
+        for key in APP_SETTINGS:  # each ingress sets them when it attaches
+            controller.pop(key)
         settings: tuple = (
             [asdict(r) for r in self.replicas],
             controller,
@@ -97,6 +102,7 @@ async def ensure_cluster(spec: ClusterSpec, timeout_s: float) -> ClusterHandles:
         max_restarts=-1,
         max_task_retries=-1,
         max_concurrency=10000,
+        resources={HEAD_NODE: 0.001},  # on the head node, with the usage log it writes
     ).remote(
         spec.controller,
         spec.metrics_interval_s,

@@ -300,6 +300,7 @@ class Replica(Reports):
                 request_id=d.request_id,
                 prompt_logprobs=d.prompt_logprobs,
                 num_cached_tokens=d.num_cached_tokens,
+                num_preemptions=d.num_preemptions,
             )
             if d.finished:
                 self._end(d.request_id, item)

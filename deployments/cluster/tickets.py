@@ -11,11 +11,15 @@ from dataclasses import dataclass, field
 
 from fairbatch.deployments.cluster.limits import LimitsSpec
 from fairbatch.deployments.cluster.wire import RequestMeta
+from fairbatch.deployments.usage import UsageSpec
 from fairbatch.policies import TenantSpec
 from fairbatch.policies.quota import Rejected
 
 ROUTINGS = ("fair", "d2lpm", "round_robin", "power_of_two", "prefix_affinity")
 QUEUED_ROUTINGS = ("fair", "d2lpm")  # one global queue; the others route at once
+# ControllerConfig fields an app sets on a running cluster (`set_limits`, `set_usage`): not
+# part of the cluster's identity, not `controller:` settings of the app config
+APP_SETTINGS = ("limits", "usage", "usage_model")
 
 
 @dataclass
@@ -45,6 +49,12 @@ class ControllerConfig:
     d2lpm_load_slack: int = 2
     # tenants' quotas and in-flight bounds over every ingress (limits.py); None: none here
     limits: LimitsSpec | None = None
+    # The usage log this controller keeps (usage_ledger.py; None: none), the base model's id
+    # for the records it writes itself, and how long it waits for an ingress's record first.
+    # Like `limits`, set by each attaching ingress and not part of the cluster's identity.
+    usage: UsageSpec | None = None
+    usage_model: str = ""
+    usage_grace_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.routing not in ROUTINGS:
@@ -56,6 +66,8 @@ class ControllerConfig:
                 "d2lpm_quantum must be > 0 and d2lpm_min_match in (0, 1], got "
                 f"{self.d2lpm_quantum!r}, {self.d2lpm_min_match!r}"
             )
+        if not self.usage_grace_s > 0:
+            raise ValueError(f"usage_grace_s must be > 0, got {self.usage_grace_s!r}")
         if self.d2lpm_load_slack < 0:
             raise ValueError(f"d2lpm_load_slack must be >= 0, got {self.d2lpm_load_slack}")
 

@@ -76,6 +76,9 @@ class StreamItem:
     # its admission found in the prefix cache. The client passes each on once per request.
     prompt_logprobs: list | None = None
     num_cached_tokens: int | None = None
+    num_preemptions: int | None = None  # with the last item: the engine's count (usage)
+    # with the last item, set by the client: the replicas the request left on the way
+    num_moves: int | None = None
 
 
 @dataclass

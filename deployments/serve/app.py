@@ -26,13 +26,16 @@ APP_NAME = "fairbatch"  # the Serve application name the docs and `get_app_handl
 ENGINES = ("tiny", "sim")  # besides a model directory
 
 
-def _dataclass_fields(cls: type, exclude: tuple[str, ...] = ("tenants", "limits")) -> set[str]:
+def _dataclass_fields(cls: type, exclude: tuple[str, ...]) -> set[str]:
     return {f.name for f in dataclasses.fields(cls) if f.name not in exclude}
 
 
-def _check_dataclass_kwargs(cls: type, kwargs: dict[str, Any], what: str) -> dict[str, Any]:
-    """Validate `kwargs` for `cls(**kwargs)` (a stdlib dataclass) with messages naming keys."""
-    known = _dataclass_fields(cls)
+def _check_dataclass_kwargs(
+    cls: type, kwargs: dict[str, Any], what: str, exclude: tuple[str, ...] = ("tenants",)
+) -> dict[str, Any]:
+    """Validate `kwargs` for `cls(**kwargs)` (a stdlib dataclass) with messages naming keys;
+    the fields in `exclude` are not the user's to set there."""
+    known = _dataclass_fields(cls, exclude)
     unknown = sorted(set(kwargs) - known)
     if unknown:
         raise ValueError(
@@ -102,9 +105,9 @@ class ServeAppConfig(AppConfig):
     @field_validator("controller")
     @classmethod
     def _controller(cls, v: dict[str, Any]) -> dict[str, Any]:
-        from fairbatch.deployments.cluster.fairness import ControllerConfig
+        from fairbatch.deployments.cluster.tickets import APP_SETTINGS, ControllerConfig
 
-        v = _check_dataclass_kwargs(ControllerConfig, v, "controller")
+        v = _check_dataclass_kwargs(ControllerConfig, v, "controller", ("tenants", *APP_SETTINGS))
         _check_policy(v, "priority", "controller")
         return v
 
@@ -168,7 +171,10 @@ class ServeAppConfig(AppConfig):
             self.limits.max_requests_total,
             self.limits.retry_after_s,
         )
-        return ControllerConfig(**self.controller, limits=limits)
+        usage = None if self.usage is None else self.usage.spec()
+        return ControllerConfig(
+            **self.controller, limits=limits, usage=usage, usage_model=self.model_name
+        )
 
     def autoscaling_config(self) -> Any:
         from fairbatch.deployments.cluster.autoscaling import AutoscalingConfig

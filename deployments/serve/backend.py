@@ -91,6 +91,9 @@ class ClusterBackend:
                     item.logprobs,
                     item.prompt_logprobs,
                     item.num_cached_tokens,
+                    item.num_preemptions,
+                    item.replica_id or None,
+                    item.num_moves,
                 )
                 if item.finished:
                     reason = item.finish_reason or "stop"
@@ -158,6 +161,15 @@ class ClusterBackend:
             await asyncio.gather(*(h.remove_lora.remote(lora.name) for h in handles.values()))
 
         await asyncio.wait_for(remove(), UPDATE_TIMEOUT_S)
+
+    def record_usage(self, records: list[Any]) -> None:
+        """To the usage log the controller keeps for every ingress (usage_ledger.py)."""
+        self.client.record_usage(records)
+
+    async def usage_summary(self, tenant: str | None, since: float, until: float) -> dict:
+        return await asyncio.wait_for(
+            self.handles.controller.usage_summary.remote(tenant, since, until), UPDATE_TIMEOUT_S
+        )
 
     async def check_health(self) -> bool:
         await asyncio.wait_for(self.handles.controller.ready.remote(0), HEALTH_TIMEOUT_S)

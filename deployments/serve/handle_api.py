@@ -186,6 +186,7 @@ class HandleApi:
             lora=lora,
         )
         ticket = self._admit(api, tenant, req, len(ids))
+        ticket.model = req.model or api.model_name
         priority = tenant.priority if req.priority is None else req.priority
         salt = tenant.cache_salt  # None unless the tenant is in a prefix_cache_group
         it = api.backend.generate(
@@ -200,7 +201,7 @@ class HandleApi:
         merged = coalesce(it, api.config.stream_interval_ms / 1000.0)
         try:
             async for d in merged:
-                ticket.charge(len(d.token_ids))
+                ticket.observe(d)
                 chunk = {
                     "id": ticket.request_id,
                     "text": d.text,
@@ -231,7 +232,7 @@ class HandleApi:
         except Rejected as r:  # over a cluster-wide limit (the controller's)
             api.registry.refund(ticket)
             api.registry.count_rejection(tenant)
-            outcome = "rejected"
+            outcome = "refused"
             raise HandleRejected(r.status, r.code, r.message, r.retry_after) from None
         finally:
             api.registry.release(ticket)

@@ -117,6 +117,9 @@ class FairbatchIngress(HandleApi):
         await self.handles.controller.attach.remote(self.user, own_process())
         # a cluster found running keeps its queue; the limits are this config's
         await self.handles.controller.set_limits.remote(spec.controller.limits)
+        await self.handles.controller.set_usage.remote(
+            spec.controller.usage, spec.controller.usage_model
+        )
         self.backend = ClusterBackend(
             self.handles,
             tokenizer,

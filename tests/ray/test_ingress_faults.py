@@ -51,9 +51,10 @@ LONG = 360  # tokens of a stream in the kill test (~18 s of a seat at ~50 ms a s
 # the replica within this (the owner check runs every second). Left alone, an orphan runs on
 # for the rest of its LONG tokens (>= 17 s).
 ORPHANS_GONE_S = 6
+USAGE_GRACE_S = 3.0
 
 
-def app_args() -> dict:
+def app_args(usage_path: str) -> dict:
     return {
         "model": "sim",
         "num_replicas": 1,
@@ -73,7 +74,9 @@ def app_args() -> dict:
             "device": "cpu",
             "time_scale": 7.0,
         },
-        "controller": {"local_queue": 0, "stale_assignment_s": 5.0},
+        # a request whose ingress died is recorded by the controller after USAGE_GRACE_S
+        "controller": {"local_queue": 0, "stale_assignment_s": 5.0, "usage_grace_s": USAGE_GRACE_S},
+        "usage": {"path": usage_path},
         "tenants": [
             {"name": "a", "api_key": KEYS["a"], "prefix_cache_group": "ab"},
             {"name": "b", "api_key": KEYS["b"], "prefix_cache_group": "ab"},
@@ -106,18 +109,21 @@ def ingress_running() -> int:
 
 
 @pytest.fixture(scope="module")
-def served(ray_starter):
+def served(ray_starter, tmp_path_factory):
     http_port = free_port()
     ray_starter(num_gpus=1)
+    usage = tmp_path_factory.mktemp("usage") / "usage.jsonl"
     try:
-        base = run_serve_app(app_args(), http_port, DEPLOY_TIMEOUT_S)
+        base = run_serve_app(app_args(str(usage)), http_port, DEPLOY_TIMEOUT_S)
         handle = serve.get_app_handle("fairbatch")
         reps = handle.replica_handles.remote().result(timeout_s=30)
         ctrl_name = next(iter(reps)).rsplit("-r", 1)[0] + "-controller"
         controller = ray.get_actor(ctrl_name, namespace=NAMESPACE)
         cluster = SimpleNamespace(name=ctrl_name, replicas=reps, controller=controller)
         wait_for(lambda: len(ingress_actors()) == INGRESSES, 60, "both ingress actors")
-        yield SimpleNamespace(base=base, cluster=cluster, replica=next(iter(reps.values())))
+        yield SimpleNamespace(
+            base=base, cluster=cluster, replica=next(iter(reps.values())), usage=usage
+        )
     finally:
         try:
             serve.shutdown()
@@ -149,6 +155,7 @@ async def stream(base: str, i: int, tenant: str, max_tokens: int, progress: list
         "stream": True,
     }
     out = {"i": i, "tenant": tenant, "text": "", "finish": None, "done": False, "error": None}
+    out["id"] = None
     try:
         async with httpx.AsyncClient(base_url=base, timeout=REQUEST_TIMEOUT_S) as h:
             async with h.stream("POST", "/v1/completions", json=body, headers=auth(tenant)) as r:
@@ -162,6 +169,7 @@ async def stream(base: str, i: int, tenant: str, max_tokens: int, progress: list
                         out["done"] = True
                         continue
                     data = json.loads(line[6:])
+                    out["id"] = out["id"] or data.get("id")
                     if "error" in data:
                         out["error"] = f"error event {data['error'].get('code')}"
                         continue
@@ -279,6 +287,7 @@ def test_ingress_replica_killed_during_streams(served, sim_expected, replica_che
     for r in completed:  # the other ingress's streams: undisturbed, exactly
         assert (r["finish"], r["done"]) == ("length", True), r
         assert r["text"] == expected_text(prompt_ids(r["i"]), LONG, sim_expected), r["i"]
+    check_usage_records(served.usage, completed, cut, seen["progress"])
 
     # New requests: Serve replaces the dead ingress; then every request is served.
     wait_for(lambda: ingress_running() == INGRESSES, 120, "Serve to replace the ingress")
@@ -295,6 +304,43 @@ def test_ingress_replica_killed_during_streams(served, sim_expected, replica_che
     # the last live ingress to detach will still stop the cluster.
     live = ray.get(cluster.controller.detach.remote("probe-never-attached"), timeout=60)
     assert live == INGRESSES, (users, live)
+
+
+def check_usage_records(path, completed: list[dict], cut: list[dict], progress: list) -> None:
+    """Every stream has one usage record: the surviving ingress wrote its own streams'; the
+    controller wrote the dead ingress's (none of its records reached the log), "ingress_lost",
+    with at least the tokens its client had seen and fewer than the stream asked for."""
+
+    def read() -> list[dict]:
+        return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+    def lost() -> list[dict]:
+        return [r for r in read() if r["recorded_by"] == "controller"]
+
+    def all_in() -> bool:
+        ids = {r["response_id"] for r in read()}
+        return len(lost()) >= len(cut) and all(s["id"] in ids for s in completed)
+
+    wait_for(all_in, 10 * USAGE_GRACE_S, "every stream's usage record")
+    records = read()
+    by_response = {}
+    for r in records:
+        assert r["response_id"] not in by_response, r  # one record per request
+        by_response[r["response_id"]] = r
+    for s in completed:
+        r = by_response[s["id"]]
+        assert (r["recorded_by"], r["finish_reason"], r["output_tokens"]) == (
+            "ingress",
+            "length",
+            LONG,
+        )
+    for s in cut:
+        if s["id"] is None:  # cut before its first token: not known by id here
+            continue
+        r = by_response[s["id"]]
+        assert (r["recorded_by"], r["finish_reason"]) == ("controller", "ingress_lost"), r
+        assert max(1, progress[s["i"]]) <= r["output_tokens"] < LONG, (r, progress[s["i"]])
+    assert len(lost()) == len(cut), (lost(), cut)
 
 
 # ---- 2. prefix-cache groups through the app -------------------------------------------------

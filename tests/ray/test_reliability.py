@@ -74,7 +74,7 @@ SOAK_SAMPLE_S = max(0.5, SOAK_S / 600)  # RSS sampling period
 SOAK_GROWTH, SOAK_SLACK_MIB = 1.2, 16.0
 
 
-def app_args() -> dict:
+def app_args(usage_path: str) -> dict:
     return {
         "model": "sim",
         "num_replicas": REPLICAS,
@@ -96,20 +96,22 @@ def app_args() -> dict:
         "controller": {"local_queue": 0},
         "tenants": [{"name": n, "api_key": k} for n, k in KEYS.items()],
         "limits": {"max_requests_per_tenant": PER_TENANT, "max_requests_total": TOTAL},
+        "usage": {"path": usage_path},
     }
 
 
 @pytest.fixture(scope="module")
-def served(ray_starter):
+def served(ray_starter, tmp_path_factory):
     http_port = free_port()
     ray_starter(num_gpus=REPLICAS)
+    usage = tmp_path_factory.mktemp("usage") / "usage.jsonl"
     try:
-        base = run_serve_app(app_args(), http_port, DEPLOY_TIMEOUT_S)
+        base = run_serve_app(app_args(str(usage)), http_port, DEPLOY_TIMEOUT_S)
         handle = serve.get_app_handle("fairbatch")
         reps = handle.replica_handles.remote().result(timeout_s=30)
         cid = next(iter(reps)).rsplit("-r", 1)[0]
         controller = ray.get_actor(f"{cid}-controller", namespace=NAMESPACE)
-        yield SimpleNamespace(base=base, cluster=ClusterView(cid, controller))
+        yield SimpleNamespace(base=base, cluster=ClusterView(cid, controller), usage=usage)
     finally:
         try:
             serve.shutdown()
@@ -162,15 +164,16 @@ async def stream_completion(
             stream_options={"include_usage": True},
             extra_body={"ignore_eos": True},
         )
-        text, finish, usage = "", None, None
+        text, finish, usage, rid = "", None, None, None
         async for ch in stream:
+            rid = rid or ch.id
             if ch.choices:
                 text += ch.choices[0].text or ""
                 progress[i] += 1
                 finish = ch.choices[0].finish_reason or finish
             if ch.usage is not None:
                 usage = ch.usage
-        return {"text": text, "finish_reason": finish, "tokens": usage and usage.completion_tokens}
+        return streamed(rid, text, finish, usage)
     finally:
         await c.close()
 
@@ -189,17 +192,60 @@ async def stream_chat(base: str, tenant: str, content: str, max_tokens: int, pro
             stream_options={"include_usage": True},
             extra_body={"ignore_eos": True},
         )
-        text, finish, usage = "", None, None
+        text, finish, usage, rid = "", None, None, None
         async for ch in stream:
+            rid = rid or ch.id
             if ch.choices:
                 text += ch.choices[0].delta.content or ""
                 progress[i] += 1
                 finish = ch.choices[0].finish_reason or finish
             if ch.usage is not None:
                 usage = ch.usage
-        return {"text": text, "finish_reason": finish, "tokens": usage and usage.completion_tokens}
+        return streamed(rid, text, finish, usage)
     finally:
         await c.close()
+
+
+def streamed(rid: str | None, text: str, finish: str | None, usage) -> dict:
+    out = {"id": rid, "text": text, "finish_reason": finish, "tokens": None, "usage": None}
+    if usage is not None:
+        out["tokens"] = usage.completion_tokens
+        cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
+        out["usage"] = (usage.prompt_tokens, usage.completion_tokens, cached)
+    return out
+
+
+async def two_samples(base: str, tenant: str, prompt: list[int], max_tokens: int) -> dict:
+    """A non-streaming completion with n=2: {"id", "usage": (prompt, completion, cached)}."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "n": 2,
+            "temperature": 0, "ignore_eos": True}  # fmt: skip
+    headers = {"Authorization": f"Bearer {KEYS[tenant]}"}
+    async with httpx.AsyncClient(base_url=base, timeout=STREAM_TIMEOUT_S) as h:
+        r = await h.post("/v1/completions", json=body, headers=headers)
+    assert r.status_code == 200, r.text
+    u = r.json()["usage"]
+    cached = u["prompt_tokens_details"]["cached_tokens"]
+    return {"id": r.json()["id"], "usage": (u["prompt_tokens"], u["completion_tokens"], cached)}
+
+
+async def cancelled_stream(base: str, tenant: str, prompt: list[int]) -> str:
+    """A long stream cancelled with DELETE /v1/requests/{id} after its second chunk: its id."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 400, "stream": True,
+            "ignore_eos": True}  # fmt: skip
+    headers = {"Authorization": f"Bearer {KEYS[tenant]}"}
+    events: list[dict] = []
+    async with httpx.AsyncClient(base_url=base, timeout=STREAM_TIMEOUT_S) as h:
+        async with h.stream("POST", "/v1/completions", json=body, headers=headers) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                events.append(json.loads(line[len("data: ") :]))
+                if len(events) == 2:
+                    d = await h.delete(f"/v1/requests/{events[0]['id']}", headers=headers)
+                    assert d.status_code == 200 and d.json()["cancelled"] is True
+    assert events[-1]["error"]["code"] == "request_cancelled", events[-1]
+    return events[0]["id"]
 
 
 def replica_stats(cluster) -> dict[str, dict]:
@@ -244,9 +290,13 @@ def test_replica_killed_during_http_streams(served, sim_expected, replica_check)
         ]  # fmt: skip
 
     async def undisturbed():
-        return await asyncio.wait_for(asyncio.gather(*jobs([0] * 6)), 2 * STREAM_TIMEOUT_S)
+        # with two more requests (for the usage records): n=2, and a stream cancelled early
+        extra = [two_samples(base, "a", prompt_ids(50), 16),
+                 cancelled_stream(base, "b", prompt_ids(51))]  # fmt: skip
+        done = asyncio.gather(*jobs([0] * 6), *extra)
+        return await asyncio.wait_for(done, 2 * STREAM_TIMEOUT_S)
 
-    reference = asyncio.run(undisturbed())
+    *reference, pair, cancelled = asyncio.run(undisturbed())
     for i, p in enumerate(prompts):  # the computed reference agrees with a real run
         assert reference[i]["text"] == expected_text(p, STREAM_TOKENS, sim_expected)
 
@@ -278,6 +328,40 @@ def test_replica_killed_during_http_streams(served, sim_expected, replica_check)
 
     wait_for(dropped, 30, "the controller to drop the dead replica")
     replica_check([cluster])
+    check_usage_records(served.usage, [*reference, pair], results, cancelled, victim)
+
+
+def check_usage_records(
+    path, before: list[dict], disturbed: list[dict], cancelled: str, victim: dict
+) -> None:
+    """The usage log of that mixed run (the first thing this app served): one record per
+    request, each reply's usage the sum of its records' token for token, the requests the
+    killed replica held moved and finished elsewhere, the cancelled one "abort"."""
+
+    def read() -> list[dict]:
+        return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+    n = 6 + 2 + 1 + 6  # the reference streams, the n=2 reply, the cancelled one, the streams again
+    got = wait_for(lambda: len(read()) >= n and read(), 30, f"{n} usage records")
+    assert len(got) == n and len({r["request_id"] for r in got}) == n
+    rows: dict[str, list[dict]] = {}
+    for r in got:
+        rows.setdefault(r["response_id"], []).append(r)
+        assert r["recorded_by"] == "ingress" and r["model"] == MODEL
+    for reply in [*before, *disturbed]:
+        mine = rows.pop(reply["id"])
+        sums = tuple(sum(r[k] for r in mine) for k in ("prompt_tokens", "output_tokens",
+                                                       "cached_tokens"))  # fmt: skip
+        assert sums == reply["usage"], (reply, mine)
+        assert {r["finish_reason"] for r in mine} == {"length"}
+    [gone] = rows.pop(cancelled)
+    assert not rows
+    assert gone["finish_reason"] == "abort" and 1 <= gone["output_tokens"] < 400
+    after_kill = [r for r in got if r["response_id"] in {d["id"] for d in disturbed}]
+    assert all(r["replica"] and r["replica"] != victim["id"] for r in after_kill), after_kill
+    # each request the dead replica held was resubmitted (a fair preemption may move others)
+    moved = [r for r in after_kill if r["moves"]]
+    assert len(moved) >= victim["running"], (after_kill, victim)
 
 
 # ---- 2. the fairness controller dies ----------------------------------------------------------

@@ -1,0 +1,167 @@
+"""Usage records of the one-engine server (deployments/usage.py), served on loopback.
+
+Two tenants run a mixed load on an engine whose KV pool is small enough that requests are
+preempted: plain and streamed completions and chats, n=2, a request with two prompts, and a
+stream its client drops. Each response's usage must equal the sum of its requests' records,
+token for token; the records' preemptions must add up to the engine's own count; and
+GET /admin/usage must sum the records per tenant over a period (bad periods: 400)."""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from loopback import ServerLoop, wait_for
+
+from fairbatch.deployments.api.backend import LocalBackend, create_app
+from fairbatch.engine.llm import build_engine
+
+MODEL = "fairbatch-tiny"
+ADMIN = "usage-admin"
+TENANTS = [
+    {"name": "alice", "api_key": "key-alice"},
+    {"name": "bob", "api_key": "key-bob"},
+]
+PROMPT = "a prompt of some length so that a few of them fill the small pool " * 2
+
+
+@pytest.fixture(scope="module")
+def env():
+    loop = ServerLoop()
+    # 12 blocks of 16 tokens: about two of these requests at once; the rest are preempted
+    backend = LocalBackend(build_engine("tiny", num_gpu_blocks=12, max_num_seqs=8))
+    yield loop, backend
+    loop.run(backend.shutdown())
+    loop.close()
+
+
+def post(url: str, key: str, path: str, body: dict) -> dict:
+    r = httpx.post(f"{url}{path}", json=body, headers=auth(key), timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def auth(key: str) -> dict:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def stream(url: str, key: str, path: str, body: dict, stop_after: int | None = None) -> list:
+    """The SSE bodies of a streamed request; the client hangs up after `stop_after` chunks."""
+    chunks = []
+    with httpx.stream(
+        "POST", f"{url}{path}", json={**body, "stream": True}, headers=auth(key), timeout=120
+    ) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunks.append(json.loads(line[6:]))
+            if stop_after is not None and len(chunks) >= stop_after:
+                break
+    return chunks
+
+
+def records(path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+def engine_idle(env) -> bool:
+    loop, backend = env
+    core = backend.engine.engine
+    return loop.run(backend.engine.call(lambda: not core.has_unfinished()))
+
+
+def test_records_add_up_to_what_clients_were_told(env, tmp_path):
+    loop, backend = env
+    log_path = tmp_path / "usage.jsonl"
+    config = {"tenants": TENANTS, "admin_api_key": ADMIN, "usage": {"path": str(log_path)}}
+    url = loop.serve(create_app(backend, config))
+    before = backend.engine.engine.stats()["preemptions"]
+    long = {"max_tokens": 48, "ignore_eos": True}
+    jobs = [
+        ("key-alice", "/v1/completions", {"model": MODEL, "prompt": PROMPT, **long}),
+        ("key-alice", "/v1/completions", {"model": MODEL, "prompt": PROMPT, "n": 2, **long}),
+        ("key-alice", "/v1/completions", {"model": MODEL, "prompt": [PROMPT, "short"], **long}),
+        (
+            "key-bob",
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "user", "content": PROMPT}], **long},
+        ),
+        ("key-bob", "/v1/completions", {"model": MODEL, "prompt": PROMPT + "!", **long}),
+    ]
+    streamed = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "tell me"}],
+        "stream_options": {"include_usage": True},
+        **long,
+    }
+    with ThreadPoolExecutor(8) as pool:
+        replies = [pool.submit(post, url, *job) for job in jobs]
+        full = pool.submit(stream, url, "key-alice", "/v1/chat/completions", streamed)
+        answered = [r.result() for r in replies]
+        full_chunks = full.result()
+    answered.append({"id": full_chunks[-1]["id"], "usage": full_chunks[-1]["usage"]})
+    wait_for(lambda: engine_idle(env), 60, "an idle engine", every=0.05)
+    # 5 replies of 1, 2, 2, 1, 1 requests, and the full stream
+    got = wait_for(lambda: len(records(log_path)) == 8 and records(log_path), 30, "8 records")
+    after = backend.engine.engine.stats()["preemptions"]
+    preempted = sum(after.values()) - sum(before.values())
+    assert preempted > 0  # the small pool did preempt
+    assert sum(r["preemptions"] for r in got) == preempted  # each one, on its request
+
+    by_response: dict[str, list[dict]] = {}
+    for r in got:
+        by_response.setdefault(r["response_id"], []).append(r)
+        assert r["model"] == MODEL and r["replica"] is None and r["moves"] == 0
+        assert r["arrival"] <= r["first_token"] <= r["end"] <= time.time()
+    for reply in answered:
+        rows = by_response.pop(reply["id"])
+        usage = reply["usage"]
+        assert sum(r["prompt_tokens"] for r in rows) == usage["prompt_tokens"]
+        assert sum(r["output_tokens"] for r in rows) == usage["completion_tokens"]
+        cached = usage["prompt_tokens_details"]["cached_tokens"]
+        assert sum(r["cached_tokens"] for r in rows) == cached
+        assert {r["finish_reason"] for r in rows} == {"length"}
+        assert len({r["tenant"] for r in rows}) == 1
+    assert not by_response
+    assert sum(r["prompt_tokens"] == 0 for r in got) == 1  # the n=2 reply's second sample
+
+    # a stream its client drops: recorded as such, with the tokens it had produced
+    cut = stream(url, "key-bob", "/v1/completions", {"model": MODEL, "prompt": PROMPT, **long}, 3)
+    wait_for(lambda: engine_idle(env), 60, "an idle engine", every=0.05)
+    got = wait_for(lambda: len(records(log_path)) == 9 and records(log_path), 30, "9 records")
+    dropped = got[-1]
+    assert dropped["response_id"] == cut[0]["id"] and dropped["tenant"] == "bob"
+    assert dropped["finish_reason"] == "client_gone" and 3 <= dropped["output_tokens"] < 48
+
+    # GET /admin/usage: the records summed per tenant
+    def summary(**params) -> httpx.Response:
+        return httpx.get(f"{url}/admin/usage", params=params, headers=auth(ADMIN), timeout=30)
+
+    body = summary().json()
+    assert body["object"] == "usage" and set(body["tenants"]) == {"alice", "bob"}
+    for tenant, sums in body["tenants"].items():
+        rows = [r for r in got if r["tenant"] == tenant]
+        assert sums["requests"] == len(rows)
+        for key in ("prompt_tokens", "cached_tokens", "output_tokens", "reasoning_tokens"):
+            assert sums[key] == sum(r[key] for r in rows)
+    assert set(summary(tenant="bob").json()["tenants"]) == {"bob"}
+    ends = sorted(r["end"] for r in got)
+    later = summary(since=str(ends[-1])).json()["tenants"]
+    assert sum(s["requests"] for s in later.values()) == ends.count(ends[-1])
+    assert summary(until="1970-01-02T00:00:00Z").json()["tenants"] == {}
+    for params, field in [({"since": "soon"}, "since"), ({"since": "5", "until": "5"}, "since"),
+                          ({"until": "inf"}, "until")]:  # fmt: skip
+        r = summary(**params)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    assert httpx.get(f"{url}/admin/usage", headers=auth("key-alice")).status_code == 401
+
+
+def test_usage_summary_without_a_log_says_how_to_turn_it_on(env):
+    loop, backend = env
+    url = loop.serve(create_app(backend, {"tenants": TENANTS, "admin_api_key": ADMIN}))
+    r = httpx.get(f"{url}/admin/usage", headers=auth(ADMIN), timeout=30)
+    assert r.status_code == 404 and "usage.path" in r.json()["error"]["message"]
