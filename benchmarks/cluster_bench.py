@@ -18,9 +18,11 @@ Measured per (N, system):
 
 Systems: fairbatch (global weighted-fair queue over cluster-wide counters, least-loaded routing
 with prefix affinity), fairbatch_limits (the same, with every tenant's quota and in-flight bound
-checked at admission and charged from reports, never refusing), rr_local_wfq (tenant-blind
-round robin, per-replica weighted fair queues), p2c_fcfs (power-of-two-choices routing,
-per-replica FCFS).
+checked at admission and charged from reports, never refusing), fairbatch_usage (the same as
+fairbatch, plus the controller's usage ledger: each request opened at admission, its end noted
+from reports, its ingress's record written to a JSON-lines file, a sweep per second),
+rr_local_wfq (tenant-blind round robin, per-replica weighted fair queues), p2c_fcfs
+(power-of-two-choices routing, per-replica FCFS).
 
 Workload: tenants with weights 1, 2, 3, 4 (and a fifth of weight 1 with 4x longer outputs), each
 closed-loop with enough requests outstanding to stay backlogged; submitted in a fixed repeating
@@ -48,6 +50,12 @@ SYSTEMS = {
         dict(routing="fair", policy="weighted_fair", quotas=True),
         "weighted_fair",
     ),
+    # the same, with the controller's usage ledger: every admission opened, every end noted from
+    # reports, every ingress record written to a log file, a sweep each virtual second
+    "fairbatch_usage": (
+        dict(routing="fair", policy="weighted_fair", usage=True),
+        "weighted_fair",
+    ),
     "rr_local_wfq": (dict(routing="round_robin", policy="weighted_fair"), "weighted_fair"),
     "p2c_fcfs": (dict(routing="power_of_two", policy="fcfs"), "fcfs"),
 }
@@ -60,6 +68,7 @@ def run_one(num_replicas: int, system: str, wl: Workload) -> dict:
     if ctrl_kw.pop("quotas", False):
         unlimited = TenantLimit(tokens_per_minute=1e15)
         ctrl_kw["limits"] = LimitsSpec({s.name: unlimited for s in specs}, 10**9, 10**9)
+    ledger = usage_ledger() if ctrl_kw.pop("usage", False) else None
     core = FairnessCore(ControllerConfig(tenants=specs, **ctrl_kw), rng=random.Random(wl.seed))
     sim = SimCluster(core, wl)
     for i in range(num_replicas):
@@ -94,6 +103,15 @@ def run_one(num_replicas: int, system: str, wl: Workload) -> dict:
         submitted_at[rid] = sim.now
         tenant_of[rid] = tenant
         control(core.submit, meta)
+        if ledger is not None:
+            timed(ledger.submitted, meta)
+
+    def timed(call, *args) -> None:
+        """A call the controller makes besides FairnessCore's, in its time."""
+        nonlocal ctrl_time
+        t0 = time.perf_counter()
+        call(*args)
+        ctrl_time += time.perf_counter() - t0
 
     for r in sim.replicas.values():  # every replica registers before the first request
         core.report(r.report())
@@ -108,15 +126,27 @@ def run_one(num_replicas: int, system: str, wl: Workload) -> dict:
         submit(name)
 
     window = ServiceWindow(weights, min(wl.warmup_s, wl.duration_s / 2))
+    swept = 0.0
     while (r := sim.next_replica()) is not None and sim.now <= wl.duration_s:
         if (rep := sim.due_report(r)) is not None:
+            if ledger is not None:
+                timed(note_ends, ledger, rep)
             control(core.report, rep)
             window.sample(sim.now, sim.replicas)
+        records = []
         for d in sim.step(r):
             out_len[d.request_id] = out_len.get(d.request_id, 0) + len(d.token_ids)
             if d.finished:
-                r.finished.append((d.request_id, out_len.pop(d.request_id, 0)))
-                submit(tenant_of.pop(d.request_id))
+                n_out = out_len.pop(d.request_id, 0)
+                r.finished.append((d.request_id, n_out))
+                tenant = tenant_of.pop(d.request_id)
+                records.append(usage_record(d.request_id, tenant, n_out, sim.now))
+                submit(tenant)
+        if ledger is not None and records:  # their ingress's records, in one call
+            timed(ledger.record, records)
+        if ledger is not None and sim.now - swept >= 1.0:
+            swept = sim.now
+            timed(ledger.sweep, core.tickets)
     norm, jain = window.result(sim.replicas)
     max_prompt = max(p for _, _, p, _ in wl.tenants)
     max_len = max(p + m for _, _, p, m in wl.tenants)
@@ -136,6 +166,30 @@ def run_one(num_replicas: int, system: str, wl: Workload) -> dict:
         "weighted_service": {n: round(x, 1) for n, x in zip(weights, norm)},
         "virtual_s": wl.duration_s,
     }
+
+
+def usage_ledger():
+    """A usage ledger writing to a fresh file (the controller's, usage_ledger.py)."""
+    import tempfile
+
+    from fairbatch.deployments.cluster.usage_ledger import UsageLedger
+    from fairbatch.deployments.usage import UsageSpec
+
+    path = tempfile.mkdtemp(prefix="fbusage-") + "/usage.jsonl"
+    return UsageLedger(UsageSpec(path), "bench")
+
+
+def note_ends(ledger, rep) -> None:
+    for rid, num_out in rep.finished:
+        ledger.left_replica(rid, rep.replica_id, num_out)
+
+
+def usage_record(rid: str, tenant: str, num_out: int, now: float) -> tuple[str, str]:
+    """As an ingress sends it: (request id, JSON line), encoded there."""
+    from fairbatch.deployments.usage import UsageRecord
+
+    r = UsageRecord(rid, rid, tenant, "bench", 0, 0, num_out, 0, "length", now, now, now)
+    return rid, r.to_json()
 
 
 def ray_admissions(num_replicas: int = 4, sizes: tuple[int, ...] = (1000, 4000)) -> list[dict]:

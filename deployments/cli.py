@@ -573,8 +573,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     clu.add_argument(
         "--systems",
-        help="comma-separated subset of fairbatch,fairbatch_limits,rr_local_wfq,p2c_fcfs "
-        "(default: all)",
+        help="comma-separated subset of fairbatch,fairbatch_limits,fairbatch_usage,rr_local_wfq,"
+        "p2c_fcfs (default: all; one may repeat, to alternate runs)",
     )
     clu.add_argument("--duration", type=float, default=12.0, help="virtual seconds per run")
     clu.add_argument(

@@ -16,7 +16,7 @@ import json
 import math
 import os
 import threading
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -58,7 +58,7 @@ class UsageRecord:
     recorded_by: str = "ingress"  # "controller": its ingress died before it recorded it
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), separators=(",", ":"))
+        return json.dumps(self.__dict__, separators=(",", ":"))  # (fields are plain values)
 
 
 @dataclass(frozen=True)
@@ -94,9 +94,13 @@ class UsageLog:
         self.num_records = 0
 
     def append(self, records: list[UsageRecord]) -> None:
-        if not records:
+        self.write([r.to_json() for r in records])
+
+    def write(self, lines: list[str]) -> None:
+        """Append records already encoded (`UsageRecord.to_json`, one line each)."""
+        if not lines:
             return
-        text = "".join(r.to_json() + "\n" for r in records)
+        text = "\n".join(lines) + "\n"
         size = len(text.encode("utf-8"))
         with self._lock:
             if self._size and self._size + size > self.spec.max_bytes:
@@ -104,7 +108,7 @@ class UsageLog:
             self._file.write(text)
             self._file.flush()
             self._size += size
-            self.num_records += len(records)
+            self.num_records += len(lines)
 
     def _rotate(self) -> None:
         self._file.close()

@@ -20,7 +20,6 @@ import ray
 
 from fairbatch.deployments.cluster import channel, trace
 from fairbatch.deployments.cluster.wire import Assignment, RequestMeta
-from fairbatch.deployments.usage import UsageRecord
 
 log = logging.getLogger(__name__)
 
@@ -58,12 +57,13 @@ class ClientSide:
         subscriber: str,
         metas: list[RequestMeta],
         ended: list[tuple[str, int]] = (),
-        usage: list[UsageRecord] = (),
+        usage: list[tuple[str, str]] = (),
     ) -> list[str]:
         """Queue (or place) `metas` for `subscriber`'s stream. Returns their ids: the
         client's acknowledgement that this controller holds them (queued or placed).
         `ended`: (request id, output tokens) of the streams the client has seen end since its
-        last call; `usage`: the usage records of requests that ended there."""
+        last call; `usage`: (request id, usage record as a JSON line) of requests that ended
+        there."""
         self._background()
         if ended:
             self.core.client_ended(ended)

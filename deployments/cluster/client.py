@@ -293,7 +293,8 @@ class ClusterClient:
             pass
 
     def record_usage(self, records: list[Any]) -> None:
-        """Usage records for the cluster's log, sent with this process's submissions."""
+        """(request id, JSON line) usage records for the cluster's log, sent with this
+        process's submissions."""
         self._admissions().record(records)
 
     def _admissions(self) -> AdmissionBatcher:

@@ -57,6 +57,9 @@ class ClusterController(Controller):
         self.metrics_interval_s = metrics_interval_s
         self._metrics_task: asyncio.Task | None = None
         self._tenant_updates: dict[str, tuple[float, int]] = {}  # for replacement replicas
+        # the tenants the app's config names (None: not told); the only ones exported, so a
+        # tenant removed from the config stops being exported
+        self.served_tenants: frozenset[str] | None = None
         self.changes = changes or AdminChanges(None, "")
         for name, s in self.changes.load().tenants.items():  # as they were before a restart
             self._apply_tenant(
@@ -88,6 +91,15 @@ class ClusterController(Controller):
             if is_dead:
                 log.info("ingress %s died without detaching: no longer counted", user)
                 self.users.pop(user, None)
+
+    async def set_tenants(self, names: list[str]) -> None:
+        """The tenants the attaching ingress's config names: the ones exported from now on."""
+        self.served_tenants = frozenset(names)
+
+    def exported(self, values: dict[str, float]) -> dict[str, float]:
+        """Per-tenant values, of the served tenants only."""
+        served = self.served_tenants
+        return values if served is None else {k: v for k, v in values.items() if k in served}
 
     async def set_limits(self, spec: LimitsSpec) -> None:
         """The tenants' quotas and bounds as the attaching ingress's config has them; admin
@@ -172,12 +184,13 @@ class ClusterController(Controller):
             try:
                 core = self.core
                 m.queue_depth.set(len(core.policy), tags={"replica": "controller"})
-                for tenant, value in core.counters().items():
+                # (a series no longer set ages out of Ray's metrics agent)
+                for tenant, value in self.exported(core.counters()).items():
                     m.tenant_counter.set(value, tags={"tenant": tenant})
-                for tenant, value in core.policy.service().items():
+                for tenant, value in self.exported(core.policy.service()).items():
                     m.tenant_service.set(value, tags={"tenant": tenant})
                 deltas.inc(m.migrations, core.num_migrations, {})
-                for tenant, n in core.timed_out.items():
+                for tenant, n in self.exported(core.timed_out).items():
                     deltas.inc(m.timed_out, n, {"tenant": tenant, "stage": "queue"})
             except Exception as e:  # metrics never take the controller down
                 log.debug("controller metrics failed: %r", e)

@@ -1,8 +1,9 @@
 """The cluster's usage log, kept by the fairness controller (plain Python, no Ray).
 
 Each ingress composes a request's `UsageRecord` when the request ends there (it knows what
-the client was billed) and sends it with its next submission, within a second
-(`AdmissionBatcher.record`); the controller appends it to the one log on its node, so two
+the client was billed), encodes it (the JSON line, so the one controller does not) and sends
+(request id, line) with its next submission, within a second (`AdmissionBatcher.record`); the
+controller appends it to the one log on its node, so two
 ingresses never count a request twice. A request whose ingress died never gets that record,
 so the ledger opens an entry for every request the controller takes and the ingress's record
 closes it. An entry whose request has left the controller (ended on its replica, cancelled, or
@@ -91,17 +92,18 @@ class UsageLedger:
             entry.replica = replica_id
             entry.num_out = max(entry.num_out, num_out)
 
-    def record(self, records: list[UsageRecord]) -> None:
-        """Ingresses' records: written, once per request id."""
+    def record(self, records: list[tuple[str, str]]) -> None:
+        """Ingresses' records, (request id, JSON line): written, once per request id."""
         fresh = []
         now = self.clock()
-        for r in records:
-            if r.request_id in self.written:
+        written, open_ = self.written, self.open
+        for rid, line in records:
+            if rid in written:
                 continue
-            self.written[r.request_id] = now
-            self.open.pop(r.request_id, None)
-            fresh.append(r)
-        self.log.append(fresh)
+            written[rid] = now
+            open_.pop(rid, None)
+            fresh.append(line)
+        self.log.write(fresh)
 
     def sweep(self, live: Container[str]) -> int:
         """Write the records of requests gone from the controller (`live`: the ids it still

@@ -163,8 +163,9 @@ class ClusterBackend:
         await asyncio.wait_for(remove(), UPDATE_TIMEOUT_S)
 
     def record_usage(self, records: list[Any]) -> None:
-        """To the usage log the controller keeps for every ingress (usage_ledger.py)."""
-        self.client.record_usage(records)
+        """To the usage log the controller keeps for every ingress (usage_ledger.py), encoded
+        here (the ingresses share that work, not the one controller)."""
+        self.client.record_usage([(r.request_id, r.to_json()) for r in records])
 
     async def usage_summary(self, tenant: str | None, since: float, until: float) -> dict:
         return await asyncio.wait_for(

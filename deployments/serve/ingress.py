@@ -120,6 +120,8 @@ class FairbatchIngress(HandleApi):
         await self.handles.controller.set_usage.remote(
             spec.controller.usage, spec.controller.usage_model
         )
+        tenants = sorted(self.api_app.state.registry.tenants)
+        await self.handles.controller.set_tenants.remote(tenants)  # the ones it exports
         self.backend = ClusterBackend(
             self.handles,
             tokenizer,

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 from loopback import ServerLoop, wait_for
+from prometheus_client.parser import text_string_to_metric_families
 
 from fairbatch.deployments.api.backend import LocalBackend, create_app
 from fairbatch.engine.llm import build_engine
@@ -158,6 +159,20 @@ def test_records_add_up_to_what_clients_were_told(env, tmp_path):
         r = summary(**params)
         assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
     assert httpx.get(f"{url}/admin/usage", headers=auth("key-alice")).status_code == 401
+
+    # Prometheus: tenants are labels, request ids never are (the series stay bounded)
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    labels = {
+        (name, value)
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        for name, value in sample.labels.items()
+    }
+    assert {v for n, v in labels if n == "tenant"} == {"alice", "bob"}
+    allowed = {"tenant", "finish_reason", "kind", "stage", "mode", "direction", "le"}
+    assert {n for n, _ in labels} <= allowed
+    ids = {r["request_id"] for r in got} | {r["response_id"] for r in got}
+    assert not [v for _, v in labels if v in ids]
 
 
 def test_usage_summary_without_a_log_says_how_to_turn_it_on(env):

@@ -120,6 +120,11 @@ def meta(rid: str, tenant: str = "a", prompt: int = 7, lora: str | None = None) 
     return RequestMeta(rid, list(range(prompt)), params, tenant=tenant)
 
 
+def sent(r: UsageRecord) -> tuple[str, str]:
+    """A record as an ingress sends it to the controller."""
+    return r.request_id, r.to_json()
+
+
 def lines(ledger: UsageLedger) -> list[dict]:
     return [json.loads(x) for x in ledger.log.path.read_text().splitlines()]
 
@@ -129,8 +134,8 @@ def test_an_ingress_record_closes_its_entry_and_is_written_once(tmp_path):
     ledger = UsageLedger(UsageSpec(str(tmp_path / "u.jsonl")), "base", grace_s=5, clock=clock)
     ledger.submitted(meta("r1"))
     ledger.left_replica("r1", "rep-0", 9)
-    ledger.record([record(1, request_id="r1")])
-    ledger.record([record(1, request_id="r1")])  # a retried submission: dropped
+    ledger.record([sent(record(1, request_id="r1"))])
+    ledger.record([sent(record(1, request_id="r1"))])  # a retried submission: dropped
     clock.now += 60
     assert ledger.sweep(live=set()) == 0 and ledger.sweep(live=set()) == 0
     assert [r["request_id"] for r in lines(ledger)] == ["r1"]
@@ -172,7 +177,7 @@ def test_a_request_whose_ingress_died_is_recorded_by_the_controller_after_the_gr
     )
     assert (r3["output_tokens"], r3["moves"], r3["replica"]) == (4 + 3, 1, "rep-2")
     # the ingress's record, late after all: not counted twice
-    ledger.record([record(1, request_id="r1")])
+    ledger.record([sent(record(1, request_id="r1"))])
     assert len(lines(ledger)) == 2
     # r2 (an adapter's) ends later, never recorded by an ingress
     assert ledger.sweep(live=set()) == 0
@@ -184,8 +189,8 @@ def test_a_request_whose_ingress_died_is_recorded_by_the_controller_after_the_gr
 def test_a_restarted_controller_drops_records_it_wrote_before(tmp_path):
     spec = UsageSpec(str(tmp_path / "u.jsonl"))
     first = UsageLedger(spec, "base")
-    first.record([record(1, request_id="r1"), record(2, request_id="r2")])
+    first.record([sent(record(1, request_id="r1")), sent(record(2, request_id="r2"))])
     first.close()
     restarted = UsageLedger(spec, "base")  # Ray retries the submission that carried them
-    restarted.record([record(1, request_id="r1"), record(3, request_id="r3")])
+    restarted.record([sent(record(1, request_id="r1")), sent(record(3, request_id="r3"))])
     assert [r["request_id"] for r in lines(restarted)] == ["r1", "r2", "r3"]
