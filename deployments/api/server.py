@@ -255,8 +255,10 @@ class _Api:
 
     # -- running a request ---------------------------------------------------------------------
 
-    def admit(self, tenant: TenantState, prefix: str, n_prompt: int) -> Admission:
-        rid = prefix + secrets.token_urlsafe(18)  # "cmpl-...": the id the reply carries
+    def admit(
+        self, tenant: TenantState, prefix: str, n_prompt: int, request_id: str | None = None
+    ) -> Admission:
+        rid = request_id or prefix + secrets.token_urlsafe(18)  # "cmpl-...": the reply's id
         try:
             return self.registry.admit(tenant, rid, n_prompt, S.now())
         except Rejected as r:
@@ -274,12 +276,24 @@ class _Api:
         )
 
     async def launch(
-        self, request: Request, tenant: TenantState, prefix: str, jobs: list[tuple[list, Any]]
+        self,
+        request: Request | None,
+        tenant: TenantState,
+        prefix: str,
+        jobs: list[tuple[list, Any]],
+        *,
+        model: str | None = None,
+        request_id: str | None = None,
+        priority: int | None = None,
     ) -> list[tuple[Admission, AsyncIterator[Any], Any, int, int]]:
         """Admit and start every sample of every job (prompt ids, params with `n` samples), all
-        or nothing. Sample 0 of each job starts first; its siblings then fork from it
-        (`fork_of`: they share its prompt's KV blocks) and are not charged the prompt again.
-        Returns (ticket, stream, first delta, job, sample), job by job, sample by sample."""
+        or nothing: the one way in for HTTP and handle calls. Sample 0 of each job starts
+        first; its siblings then fork from it (`fork_of`: they share its prompt's KV blocks) and
+        are not charged the prompt again. `request`: the HTTP request, whose disconnect cancels
+        the wait for a first token (None: a handle call, cancelled by its caller). `model`: the
+        id it named (usage records); `request_id` (one job, n=1) and `priority` (the tenant's
+        otherwise): a handle caller's. Returns (ticket, stream, first delta, job, sample), job
+        by job, sample by sample; ApiError when it could not start."""
         plan = [(j, i) for j, (_, params) in enumerate(jobs) for i in range(params.n)]
         bound = self.registry.max_in_flight(tenant)
         if len(plan) > bound:  # could never be admitted: no point in retrying
@@ -294,8 +308,10 @@ class _Api:
         tickets: dict[tuple[int, int], Admission] = {}
         try:
             for j, i in plan:
-                tickets[j, i] = self.admit(tenant, prefix, len(jobs[j][0]) if i == 0 else 0)
+                n_prompt = len(jobs[j][0]) if i == 0 else 0
+                tickets[j, i] = self.admit(tenant, prefix, n_prompt, request_id)
                 tickets[j, i].response_id = tickets[plan[0]].request_id  # the reply's id
+                tickets[j, i].model = model or self.model_name
         except ApiError:
             for t in tickets.values():  # the admitted part is given back
                 self.registry.release(t)
@@ -311,6 +327,7 @@ class _Api:
                         jobs[k[0]][0],
                         jobs[k[0]][1].for_sample(k[1]),
                         fork_of=tickets[k[0], 0].request_id if k[1] else None,
+                        priority=priority,
                     )  # fmt: skip
                     for k in phase
                 ),
@@ -333,11 +350,12 @@ class _Api:
 
     async def start(
         self,
-        request: Request,
+        request: Request | None,
         ticket: Admission,
         prompt_ids: list[int],
         params: Any,
         fork_of: str | None = None,
+        priority: int | None = None,
     ) -> tuple[AsyncIterator[Any], Any]:
         """Submit and wait for the first delta (watching for a disconnect meanwhile)."""
         # Only a tenant in a prefix-cache group passes a salt, and only a sibling sample
@@ -352,11 +370,14 @@ class _Api:
             params,
             request_id=ticket.request_id,
             tenant=ticket.tenant.name,
-            priority=ticket.tenant.priority,
+            priority=ticket.tenant.priority if priority is None else priority,
             **extra,
         )
         try:
-            first = await until_disconnect(request, it.__anext__())
+            if request is None:
+                first = await it.__anext__()
+            else:
+                first = await until_disconnect(request, it.__anext__())
             if first.finished and first.finish_reason == "error" and not first.token_ids:
                 raise RuntimeError("the backend failed the request before its first token")
             self.metrics.first_token(ticket, first)

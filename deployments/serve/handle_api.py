@@ -38,9 +38,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from fairbatch.deployments.api.coalesce import coalesce
 from fairbatch.deployments.api.config import format_validation_error
-from fairbatch.deployments.api.http import close_stream
+from fairbatch.deployments.api.responses import ResponseRun
 from fairbatch.deployments.api.schemas import ApiError, template_kwargs
-from fairbatch.deployments.api.tenants import Admission, Rejected
 from fairbatch.deployments.cluster.wire import FIRST_ONLY
 from fairbatch.engine.sampling_params import MAX_DEADLINE_S, SamplingParams
 
@@ -165,11 +164,8 @@ class HandleApi:
             lora = None if req.model is None else api.check_model(req.model, tenant)
             ids = await self._prompt_ids(api, req)
             max_tokens = api.max_tokens(len(ids), req.max_tokens, api.limits.default_max_tokens)
-        except ApiError as e:  # keyword-only init: would not unpickle at the caller
-            if e.status >= 500:
-                retry = int(e.headers.get("Retry-After", "1"))
-                raise HandleRejected(e.status, e.code or "unavailable", e.message, retry) from None
-            raise ValueError(e.message) from None
+        except ApiError as e:
+            raise _handle_error(e) from None
         params = SamplingParams(
             max_tokens=max_tokens,
             temperature=req.temperature,
@@ -185,23 +181,19 @@ class HandleApi:
             else req.max_queue_time_s,
             lora=lora,
         )
-        ticket = self._admit(api, tenant, req, len(ids))
-        ticket.model = req.model or api.model_name
-        priority = tenant.priority if req.priority is None else req.priority
-        salt = tenant.cache_salt  # None unless the tenant is in a prefix_cache_group
-        it = api.backend.generate(
-            ids,
-            params,
-            request_id=ticket.request_id,
-            tenant=tenant.name,
-            priority=priority,
-            **({} if salt is None else {"cache_salt": salt}),
-        )
-        outcome = "client_gone"
-        merged = coalesce(it, api.config.stream_interval_ms / 1000.0)
+        model = req.model or api.model_name
+        try:  # admitted and started as an HTTP request is (quota, bounds, salt, usage)
+            [(ticket, it, first, _, _)] = await api.launch(
+                None, tenant, "handle-", [(ids, params)],
+                model=model, request_id=req.request_id, priority=req.priority,
+            )  # fmt: skip
+        except ApiError as e:
+            raise _handle_error(e) from None
+        run = ResponseRun(api, ticket, it, first, chat=False, top_n=None, model=model)
+        merged = coalesce(run.deltas(), api.config.stream_interval_ms / 1000.0)
         try:
             async for d in merged:
-                ticket.observe(d)
+                run.account(d)
                 chunk = {
                     "id": ticket.request_id,
                     "text": d.text,
@@ -214,31 +206,18 @@ class HandleApi:
                     if value is not None:
                         chunk[key] = value
                 if d.finished:
-                    outcome = d.finish_reason or "stop"
-                    chunk["usage"] = {
-                        "prompt_tokens": ticket.prompt_tokens,
-                        "completion_tokens": ticket.completion_tokens,
-                        "total_tokens": ticket.prompt_tokens + ticket.completion_tokens,
-                    }
-                    if outcome == "error":  # retryable, as the API's 503
-                        raise HandleRejected(
-                            503, "backend_unavailable",
-                            "the model backend failed to serve this request; retry later",
-                            api.limits.retry_after_s,
-                        )  # fmt: skip
+                    run.outcome = "ok"
+                    if d.finish_reason == "error":  # retryable, as the API's 503
+                        raise _handle_error(api.backend_error(ticket))
+                    p, c = ticket.prompt_tokens, ticket.completion_tokens
+                    chunk["usage"] = {"prompt_tokens": p, "completion_tokens": c,
+                                      "total_tokens": p + c}  # fmt: skip
                 yield chunk
                 if d.finished:
                     break
-        except Rejected as r:  # over a cluster-wide limit (the controller's)
-            api.registry.refund(ticket)
-            api.registry.count_rejection(tenant)
-            outcome = "refused"
-            raise HandleRejected(r.status, r.code, r.message, r.retry_after) from None
         finally:
-            api.registry.release(ticket)
-            api.finish_log(ticket, outcome)
             await asyncio.shield(merged.aclose())
-            await close_stream(it)  # (closed already if the coalescer's reader stopped it)
+            await run.close()
 
     async def load_lora(self, name: str, path: str, tenants: list[str] | None = None) -> dict:
         """Serve the PEFT adapter at `path` as model `name`, to `tenants` (None: every tenant),
@@ -270,18 +249,12 @@ class HandleApi:
             return await api.encode(text, add_special_tokens=not (bos and text.startswith(bos)))
         return await api.encode(req.prompt)
 
-    @staticmethod
-    def _admit(api: Any, tenant: Any, req: GenerateRequest, n_prompt: int) -> Admission:
-        import secrets
 
-        rid = req.request_id or f"handle-{secrets.token_urlsafe(18)}"
-        try:
-            return api.registry.admit(tenant, rid, n_prompt, _now())
-        except Rejected as r:
-            raise HandleRejected(r.status, r.code, r.message, r.retry_after) from None
-
-
-def _now() -> int:
-    import time
-
-    return int(time.time())
+def _handle_error(e: ApiError) -> Exception:
+    """An API error as a handle caller gets it: a refusal or an unavailable backend (429,
+    5xx) as `HandleRejected` with its `retry_after`, anything else as a ValueError (the
+    keyword-only ApiError would not unpickle at the caller)."""
+    if e.status == 429 or e.status >= 500:
+        retry = int(e.headers.get("Retry-After", "1"))
+        return HandleRejected(e.status, e.code or "unavailable", e.message, retry)
+    return ValueError(e.message)

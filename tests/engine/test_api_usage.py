@@ -8,6 +8,7 @@ GET /admin/usage must sum the records per tenant over a period (bad periods: 400
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -180,3 +181,55 @@ def test_usage_summary_without_a_log_says_how_to_turn_it_on(env):
     url = loop.serve(create_app(backend, {"tenants": TENANTS, "admin_api_key": ADMIN}))
     r = httpx.get(f"{url}/admin/usage", headers=auth(ADMIN), timeout=30)
     assert r.status_code == 404 and "usage.path" in r.json()["error"]["message"]
+
+
+def test_handle_calls_are_admitted_and_recorded_as_http_requests_are(env, tmp_path):
+    """The handle API goes through the same door: its calls count against the tenant's
+    in-flight bound, and their usage records match what the caller was told."""
+    from fairbatch.deployments.serve.handle_api import HandleApi, HandleRejected
+
+    loop, backend = env
+    log_path = tmp_path / "usage.jsonl"
+    tenants = [{**TENANTS[0], "max_requests": 1}, TENANTS[1]]
+    config = {"tenants": tenants, "admin_api_key": ADMIN, "usage": {"path": str(log_path)}}
+    app = create_app(backend, config)
+    loop.serve(app)  # (its lifespan binds the backend)
+
+    class Ingress(HandleApi):
+        api_app = app
+
+    ingress = Ingress()
+    call = {"prompt": PROMPT, "max_tokens": 12, "ignore_eos": True}
+    whole = loop.run(ingress.complete({**call, "tenant": "alice", "request_id": "mine-1"}))
+
+    async def two_at_once() -> list:
+        async def stream(rid: str) -> list:
+            return [c async for c in ingress.generate({**call, "tenant": "alice",
+                                                       "request_id": rid})]  # fmt: skip
+
+        return await asyncio.gather(stream("mine-2"), stream("mine-3"), return_exceptions=True)
+
+    first, second = loop.run(two_at_once())
+    refused = [x for x in (first, second) if isinstance(x, HandleRejected)]
+    assert len(refused) == 1 and refused[0].status == 429  # alice may have one in flight
+
+    async def broken_off() -> str:
+        stream = ingress.generate({**call, "tenant": "bob", "request_id": "mine-4"})
+        chunk = await stream.__anext__()
+        await stream.aclose()
+        return chunk["id"]
+
+    assert loop.run(broken_off()) == "mine-4"
+    wait_for(lambda: engine_idle(env), 60, "an idle engine", every=0.05)
+    rows = wait_for(lambda: len(records(log_path)) == 3 and records(log_path), 30, "3 records")
+    got = {r["request_id"]: r for r in rows}
+    served = next(x for x in (first, second) if not isinstance(x, HandleRejected))
+    one = got.pop("mine-1")
+    assert (one["prompt_tokens"], one["output_tokens"]) == (
+        whole["usage"]["prompt_tokens"], whole["usage"]["completion_tokens"])  # fmt: skip
+    two = got.pop(served[-1]["id"])
+    assert two["output_tokens"] == served[-1]["usage"]["completion_tokens"] == 12
+    assert (two["finish_reason"], two["model"], two["tenant"]) == ("length", MODEL, "alice")
+    gone = got.pop("mine-4")
+    assert gone["finish_reason"] == "client_gone" and gone["tenant"] == "bob"
+    assert not got  # the refused call never ran: no record
