@@ -14,6 +14,7 @@ import math
 import operator
 import time
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from fairbatch.engine.detokenizer import IncrementalDetokenizer
 from fairbatch.engine.sampling_params import LoRARequest, SamplingParams
 from fairbatch.engine.structured import StructuredOutput
 from fairbatch.scheduler import Request, RequestStatus, Scheduler
-from fairbatch.scheduler.request import PromptLogprobs, long_rope_salt
+from fairbatch.scheduler.request import PromptLogprobs
 
 
 @dataclass
@@ -64,6 +65,7 @@ class EngineCore:
         tokenizer: Any = None,
         eos_token_ids: tuple[int, ...] = (),
         vocab_size: int | None = None,  # the logits' width (default: the tokenizer's)
+        salt_rule: Callable[[int, str], str] | None = None,  # CausalLM.cache_salt_rule
     ) -> None:
         self.scheduler = scheduler
         self.runner = runner
@@ -79,8 +81,8 @@ class EngineCore:
         # requests evicted past a deadline, per (tenant, stage "queue" | "running")
         self.timed_out: Counter[tuple[str, str]] = Counter()
         self._retiring_loras: set[str] = set()  # adapters no longer served, still in use here
-        # longrope models: the original context length (see `_rope_long`); else None
-        self.rope_long_from: int | None = getattr(runner, "rope_long_from", None)
+        # the model's prefix-cache salt of a sequence by its length (see `_resalt`), or None
+        self.salt_rule = salt_rule
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -139,10 +141,11 @@ class EngineCore:
         cache_salt: str | None = None,
         deadlines: tuple[float | None, float | None] | None = None,
         lora: Any = None,
+        output_ids: Sequence[int] = (),
     ) -> Request:
         """The `Request` that `add_request` adds, checked and built but not added: also what
-        a request resumed elsewhere with its output so far is rebuilt from (then given to
-        `import_request`)."""
+        a request resumed elsewhere with its output so far (`output_ids`) is rebuilt from
+        (then given to `import_request`)."""
         params = params or SamplingParams()
         if lora is not None:
             params = dataclasses.replace(params, lora=lora)
@@ -189,7 +192,10 @@ class EngineCore:
             lora_name=lora_name,
         )
         request.deadline, request.queue_deadline = self._deadlines(params, deadlines)
-        self._rope_long(request)
+        for token in output_ids:
+            request.append_output_token(token)
+        if self.salt_rule is not None:
+            request.cache_salt = self.salt_rule(request.num_tokens, request.cache_salt)
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = PromptLogprobs(len(prompt_ids), params.prompt_logprobs)
         return request
@@ -337,8 +343,8 @@ class EngineCore:
         finished_map = updates.finished
         if self.structured is not None:  # matchers take the new tokens; done grammars stop
             finished_map = self.structured.advance(updates.new_tokens, finished_map)
-        if self.rope_long_from is not None:
-            self._rope_crossings(updates.new_tokens, finished_map)
+        if self.salt_rule is not None:
+            self._resalt(updates.new_tokens, finished_map)
         logprobs = runner_out.logprobs
         deltas = []
         for rid, token in updates.new_tokens.items():
@@ -357,30 +363,20 @@ class EngineCore:
                     self._first_delta(d, request)
         return deltas
 
-    def _rope_long(self, request: Request) -> None:
-        """longrope, as transformers runs it: a sequence longer than the
-        original context length turns every position with the long factors, a shorter one
-        with the short ones. A request that is long when it arrives (or is rebuilt) is long
-        from its first token; its K/V differ from a short sequence's, so the prefix-cache salt
-        says which it is."""
-        if self.rope_long_from is None or request.rope_long:
-            return
-        if request.num_tokens > self.rope_long_from:
-            request.rope_long = True
-            request.cache_salt = long_rope_salt(request.cache_salt)
-
-    def _rope_crossings(self, new_tokens: dict, finished: dict) -> None:
-        """A request whose sequence just grew past the original length: its K/V, turned short,
-        are recomputed long (preempted by recompute, its output kept), as transformers'
-        `generate` of a longrope model recomputes the whole sequence at that point."""
+    def _resalt(self, new_tokens: dict, finished: dict) -> None:
+        """A request whose salt the model's rule changed with its new token (longrope past the
+        original length, engine/rope.py): its K/V are recomputed under the new salt (preempted
+        by recompute, its output kept), as transformers' longrope `generate` recomputes them."""
+        rule = self.salt_rule
         for rid in new_tokens:
             request = self.scheduler.requests.get(rid)
-            if request is None or rid in finished or request.rope_long:
+            if request is None or rid in finished:
                 continue
-            if request.num_tokens > self.rope_long_from:
-                self.preempt(rid, "recompute")  # blocks cached under the short salt
+            n, salt = request.num_tokens, request.cache_salt
+            if rule(n, salt) != rule(n - 1, salt):  # (it changes once: `salt` is the base one)
+                self.preempt(rid, "recompute")  # blocks cached under the old salt
                 self.scheduler.kv.forget(request)  # and its hash chain with them
-                self._rope_long(request)
+                request.cache_salt = rule(n, salt)
 
     @staticmethod
     def _first_delta(d: RequestDelta, request: Request) -> None:
@@ -444,8 +440,6 @@ class EngineCore:
         request = migrated.request
         if request.sampling_params is not None:  # its adapter, known here from now (or refused)
             self._lora_name(request.sampling_params.lora)
-        if request.num_computed_tokens == 0:  # resubmitted with its output: long from the start
-            self._rope_long(request)
         wall = migrated.extra.get("deadlines")
         if wall is not None:  # the deadlines it had where it came from, in this clock
             request.deadline, request.queue_deadline = self._deadlines(None, wall)

@@ -186,8 +186,8 @@ def build_engine(
         scheduler.loras = LoRASlots(pool)
     if use_graphs:
         runner.capture_decode_graphs(max_num_seqs, max_len)
-    engine = EngineCore(scheduler, runner, tok, eos, vocab_size=config.vocab_size)
-    return engine
+    rule = m.cache_salt_rule(config)  # the family's; the cluster's client hashes with it too
+    return EngineCore(scheduler, runner, tok, eos, vocab_size=config.vocab_size, salt_rule=rule)
 
 
 class LLM:

@@ -11,12 +11,13 @@ longrope has two sets of per-frequency factors. transformers picks one per forwa
 length it drops its cache and recomputes every position with long_factor. So a sequence turns
 all its positions with the factors its length says: short while it has at most
 `original_max_position_embeddings` tokens, long once it has more. The engine does the same per
-request (EngineCore._rope_long): a request longer than that when it arrives is long from its
-first token, one that grows past it is recomputed long at that point (a recompute
-preemption), and the prefix-cache salt says which set turned a block. Here, positions from
-`long_from` on always turn long (a decode token there belongs to a long sequence), and the
-runner flags the other tokens of long sequences for a step (`long_tokens`; only a long
-prefill below the original length needs them, so a replayed decode CUDA graph needs none).
+request: a request longer than that when it arrives is long from its first token, one that
+grows past it is recomputed long at that point (a recompute preemption, EngineCore._resalt),
+and the prefix-cache salt (the family's `cache_salt_rule`) says which set turned a block.
+Here, positions from `long_from` on always turn long (a decode token there belongs to a long
+sequence), and the runner flags the other tokens of long sequences for a step (`long_tokens`;
+only a long prefill below the original length needs them, so a replayed decode CUDA graph
+needs none).
 """
 
 from __future__ import annotations

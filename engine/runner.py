@@ -238,19 +238,19 @@ class ModelRunner:
         return hidden, [v.long() for v in views[n:]]
 
     def _set_rope_long(self, out: SchedulerOutput) -> None:
-        """longrope: flag the tokens of requests turning with the long factors (`rope_long`)
-        for the rotary, which turns positions past the original length long anyway. Only a
-        long request's prefill below that length needs the flags; other steps (every decode
-        step, so a replayed CUDA graph) build none."""
-        rotary = self.model.model.rotary
+        """longrope: flag the tokens of sequences past the original length (the engine
+        recomputes one that grows past it: EngineCore._resalt) for the rotary, which turns
+        positions past that length long anyway. Only a long request's prefill below it needs
+        the flags; other steps (every decode step, so a replayed CUDA graph) build none."""
+        rotary, long_from = self.model.model.rotary, self.rope_long_from
         rotary.long_tokens = None
         if not any(
-            r.rope_long and r.num_computed_tokens < self.rope_long_from for r in out.scheduled
+            long_from < r.num_tokens and r.num_computed_tokens < long_from for r in out.scheduled
         ):
             return
         flags: list[bool] = []
         for req in out.scheduled:
-            flags += [req.rope_long] * out.num_scheduled_tokens[req.request_id]
+            flags += [req.num_tokens > long_from] * out.num_scheduled_tokens[req.request_id]
         rotary.long_tokens = torch.tensor(flags, dtype=torch.bool).to(self.device)
 
     def _set_lora_slots(self, out: SchedulerOutput) -> None:

@@ -23,12 +23,6 @@ def lora_salt(salt: str, lora_name: str | None) -> str:
     return salt if lora_name is None else f"{salt}\x00lora:{lora_name}"
 
 
-def long_rope_salt(salt: str) -> str:
-    """The prefix-cache salt of a longrope request that is long from its first token (its K/V
-    differ from a short sequence's); the cluster's client hashes such prompts with it too."""
-    return f"{salt}\x00rope:long"
-
-
 class RequestStatus(enum.IntEnum):
     WAITING = 0  # queued; has no GPU blocks (new, or preempted for recompute)
     RUNNING = 1  # holds GPU blocks and is scheduled every step it fits
@@ -70,7 +64,6 @@ class Request:
         "max_tokens",
         "arrival_time",
         "cache_salt",
-        "rope_long",
         "num_preemptions",
         "num_prompt_charged",
         "sampling_params",
@@ -121,14 +114,13 @@ class Request:
         self.stop_token_ids = frozenset(stop_token_ids)
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         # Prefix-cache salt: blocks are shared only between requests with the same salt.
-        # Default: the tenant name, so tenants never share cached blocks.
+        # Default: the tenant name, so tenants never share cached blocks (the engine may add
+        # its model's: EngineCore.make_request).
         self.cache_salt = tenant if cache_salt is None else cache_salt
         # The LoRA adapter it runs under (None: the base model). Its K/V differ from the base
         # model's and other adapters', so the adapter salts the prefix cache too.
         self.lora_name = lora_name
         self.cache_salt = lora_salt(self.cache_salt, lora_name)
-        # longrope models (Phi-3): its K/V turn with the long factors (EngineCore._rope_long)
-        self.rope_long = False
         self.num_computed_tokens = 0
         self.status = RequestStatus.WAITING
         self.num_preemptions = 0

@@ -55,7 +55,7 @@ from fairbatch.deployments.cluster.wire import (
 )
 from fairbatch.engine.sampling_params import SamplingParams
 from fairbatch.kv.block_pool import hash_block
-from fairbatch.scheduler.request import long_rope_salt, lora_salt
+from fairbatch.scheduler.request import lora_salt
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ class ClusterClient:
         controller: Any,
         *,
         block_size: int = 16,
-        rope_long_from: int | None = None,
+        salt_rule: Callable[[int, str], str] | None = None,
         admit_timeout_s: float = 120.0,
         item_timeout_s: float = 120.0,
         max_resubmits: int = 8,
@@ -76,8 +76,8 @@ class ClusterClient:
     ) -> None:
         self.controller = controller  # actor handle, or its name
         self.block_size = block_size
-        # longrope models (Phi-3): a prompt longer than this is cached under another salt
-        self.rope_long_from = rope_long_from
+        # the model's salt of a prompt by its length (CausalLM.cache_salt_rule), or None
+        self.salt_rule = salt_rule
         self.admit_timeout_s = admit_timeout_s
         self.admission_timeout_s = admission_timeout_s
         self.item_timeout_s = item_timeout_s
@@ -128,11 +128,9 @@ class ClusterClient:
 
     def salt_of(self, prompt_ids: list[int], salt: str, lora: Any) -> str:
         """The prefix-cache salt the replica's engine gives this request: its adapter's, and
-        longrope's long one for a prompt past the original length."""
+        its model's for a prompt that long."""
         salt = lora_salt(salt, None if lora is None else lora.name)
-        if self.rope_long_from is not None and len(prompt_ids) > self.rope_long_from:
-            salt = long_rope_salt(salt)
-        return salt
+        return salt if self.salt_rule is None else self.salt_rule(len(prompt_ids), salt)
 
     def prefix_hashes(self, prompt_ids: list[int], salt: str) -> list[bytes]:
         bs = self.block_size

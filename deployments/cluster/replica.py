@@ -197,9 +197,8 @@ class Replica(Reports):
             priority=meta.priority,
             cache_salt=meta.cache_salt,
             deadlines=(meta.deadline, meta.queue_deadline),
+            output_ids=meta.output_ids,
         )
-        for token in meta.output_ids:
-            request.append_output_token(token)
         request.num_prompt_charged = request.num_prompt_tokens
         return MigratedRequest(request, None, {})
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from fairbatch.deployments.cluster.admin_store import LoRASettings
@@ -35,7 +35,7 @@ class ClusterBackend:
         max_model_len: int,
         *,
         block_size: int = 16,
-        rope_long_from: int | None = None,
+        salt_rule: Callable[[int, str], str] | None = None,  # ClusterClient's
         admit_timeout_s: float = 120.0,
         item_timeout_s: float = 120.0,
         admission_timeout_s: float = 30.0,
@@ -47,7 +47,7 @@ class ClusterBackend:
         self.client = ClusterClient(
             handles.controller,
             block_size=block_size,
-            rope_long_from=rope_long_from,
+            salt_rule=salt_rule,
             admit_timeout_s=admit_timeout_s,
             item_timeout_s=item_timeout_s,
             admission_timeout_s=admission_timeout_s,

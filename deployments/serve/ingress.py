@@ -16,6 +16,7 @@ import asyncio
 import json
 import logging
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -65,15 +66,15 @@ def model_max_len(model: str, configured: int) -> int:
         return configured
 
 
-def model_rope_long_from(model: str) -> int | None:
-    """Where a longrope model's (Phi-3's) long positions start, as its replicas read its
-    config.json; None for other models, and where the config cannot be read."""
-    from fairbatch.engine.config import ModelConfig
-    from fairbatch.engine.rope import rope_long_from
+def model_salt_rule(model: str) -> Callable[[int, str], str] | None:
+    """How the model's replicas salt a prompt's cached blocks by its length (its family's
+    `CausalLM.cache_salt_rule`); None for models without one, or config.json unreadable."""
+    from fairbatch.engine.models import model_class, read_config
 
     cfg = _hf_config(model)
     try:
-        return None if cfg is None else rope_long_from(ModelConfig.from_hf_dict(cfg))
+        config = None if cfg is None else read_config(cfg)
+        return None if config is None else model_class(config).cache_salt_rule(config)
     except (ValueError, KeyError):
         return None
 
@@ -127,7 +128,7 @@ class FairbatchIngress(HandleApi):
             tokenizer,
             model_max_len(cfg.model, replica_cfg.max_model_len),
             block_size=replica_cfg.block_size,
-            rope_long_from=model_rope_long_from(cfg.model),
+            salt_rule=model_salt_rule(cfg.model),
             admit_timeout_s=cfg.request_timeout_s,
             item_timeout_s=cfg.request_timeout_s,
             admission_timeout_s=cfg.admission_timeout_s,

@@ -12,7 +12,7 @@ capabilities describe; a family whose model differs subclasses it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 
 import torch
@@ -231,12 +231,19 @@ class DecoderLayer(nn.Module):
 class CausalLM(nn.Module):
     """A decoder over paged KV caches. `attn_backend`: a name from `ATTENTION_BACKENDS`, or None
     for automatic choice, resolved on the first forward for the device and dtype it runs on. A
-    family's subclass may change the norm and layer classes, `embed`, and `stacked`: which of
-    the engine's projections its checkpoint stores split, under which names."""
+    family's subclass may change the norm and layer classes, `embed`, `cache_salt_rule`, and
+    `stacked`: which of the engine's projections its checkpoint stores split, under which names."""
 
     norm_class: type[RMSNorm] = RMSNorm
     layer_class: type[DecoderLayer] = DecoderLayer
     stacked = PROJECTIONS
+
+    @staticmethod
+    def cache_salt_rule(config: ModelConfig) -> Callable[[int, str], str] | None:
+        """`(num_tokens, salt) -> salt`: the prefix-cache salt of a sequence that long whose
+        tenant and adapter salt it `salt`, for a family whose K/V depend on the sequence's
+        length too: `salt` up to some length, another one past it. None: always `salt`."""
+        return None
 
     def __init__(self, config: ModelConfig, attn_backend: str | None = "torch") -> None:
         super().__init__()

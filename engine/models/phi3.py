@@ -4,8 +4,12 @@ checkpoint stores q/k/v and gate/up fused, rows in the engine's order: they load
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 from fairbatch.engine.config import ModelConfig, read_hf_config, read_rope
 from fairbatch.engine.models import CausalLM, register
+from fairbatch.engine.rope import rope_long_from
 
 # Phi3Config's defaults where they differ from the common ones
 DEFAULTS = dict(
@@ -17,6 +21,17 @@ ROPE_TYPES, ROPE_ALIASES = ("default", "longrope"), {"su": "longrope", "yarn": "
 
 class Phi3ForCausalLM(CausalLM):
     stacked = {}  # the checkpoint holds the engine's fused projections
+
+    @staticmethod
+    def cache_salt_rule(config: ModelConfig) -> Callable[[int, str], str] | None:
+        """longrope turns every position of a sequence past the original length with its long
+        factors: such a sequence's blocks are cached under a salt of their own."""
+        long_from = rope_long_from(config)
+        return None if long_from is None else functools.partial(_long_salt, long_from)
+
+
+def _long_salt(long_from: int, num_tokens: int, salt: str) -> str:
+    return f"{salt}\x00rope:long" if num_tokens > long_from else salt
 
 
 @register("Phi3ForCausalLM", "phi3", Phi3ForCausalLM)

@@ -1,5 +1,5 @@
 """engine/models: families are registered by architecture name, an unknown one fails listing
-them, and no family is named outside its own module."""
+them, no family is named outside its own module, and RoPE not outside the engine."""
 
 from __future__ import annotations
 
@@ -34,6 +34,9 @@ NOT_DECODER |= {"sim_runner.py"}
 # Outside the product: tests, and the benchmarks' checkpoint builders (their config.json names
 # the architecture HF builds).
 NOT_PRODUCT = {"tests", "benchmarks", ".venv", "fairbatch.egg-info"}
+# What a model's RoPE does to the prefix cache's keys reaches the rest only as the family's
+# salt rule (`CausalLM.cache_salt_rule`): these packages never mention RoPE ("property" is fine).
+NOT_ENGINE, ROPE = ("deployments", "scheduler", "kv", "policies"), re.compile(r"rope(?!rt)", re.I)
 
 
 def _product_files() -> list[Path]:
@@ -64,6 +67,18 @@ def test_no_family_is_named_outside_its_module() -> None:
             if family != own:
                 found += [f"{rel}: {m.group(0)}" for m in re.finditer(pattern, text, re.I)]
     assert not found, "family names outside their module:\n" + "\n".join(found)
+
+
+def test_rope_is_not_named_outside_the_engine() -> None:
+    found, files = [], _product_files()
+    assert ROOT / "deployments" / "serve" / "ingress.py" in files
+    for path in files:
+        rel = path.relative_to(ROOT)
+        if rel.parts[0] in NOT_ENGINE:
+            found += [f"{rel}: {m.group(0)}" for m in ROPE.finditer(path.read_text())]
+    assert not found, "RoPE outside the engine:\n" + "\n".join(found)
+    text = r"rope_long_from, long_rope_salt, longrope, RoPE, '\x00rope:long', @property"
+    assert len(ROPE.findall(text)) == 5
 
 
 def test_the_grep_sees_a_family_name() -> None:

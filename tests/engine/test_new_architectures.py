@@ -552,32 +552,32 @@ def test_phi4_mini_past_original_length_under_scheduling(scenario, ckpts, phi_lo
 
 def test_the_cluster_client_hashes_a_long_prompt_as_its_replica_caches_it(ckpts) -> None:
     """The controller routes by the client's prompt hashes against the replicas' cached ones:
-    a prompt past longrope's original length is cached under the long salt, so the client
-    (told where long starts, from the checkpoint's config as the ingress reads it) hashes it
-    with that salt too; a short prompt keeps the plain one."""
-    from types import SimpleNamespace
-
+    a prompt past longrope's original length is cached under a salt of its own, so the client
+    (given the model's salt rule, from the checkpoint's config as the ingress reads it) salts
+    and hashes it as the engine does; a short prompt keeps the plain salt."""
     pytest.importorskip("ray")  # the client module imports it
     from fairbatch.deployments.cluster.client import ClusterClient
-    from fairbatch.deployments.serve.ingress import model_rope_long_from
+    from fairbatch.deployments.serve.ingress import model_salt_rule
 
     path = ckpts("phi4_mini")
-    long_from = model_rope_long_from(str(path))
-    assert long_from == PHI_ORIGINAL
+    client = ClusterClient(None, block_size=4, salt_rule=model_salt_rule(str(path)))
+    plain = ClusterClient(None, block_size=4)  # a model without such a salt
+    assert model_salt_rule("tiny") is None
     long_prompt, short_prompt = max(_phi_long_prompts(), key=len), min(_phi_long_prompts(), key=len)
-    assert len(long_prompt) > long_from >= len(short_prompt)
+    assert len(long_prompt) > PHI_ORIGINAL >= len(short_prompt)
     _, engine = fb_greedy(path, [long_prompt, short_prompt], block_size=4, num_gpu_blocks=128)
     cached = engine.scheduler.kv.gpu_pool.cached
 
-    def hashes(prompt, rope_long_from):
-        client = SimpleNamespace(block_size=4, rope_long_from=rope_long_from)
-        salt = ClusterClient.salt_of(client, prompt, "default", None)
-        return ClusterClient.prefix_hashes(client, prompt, salt)
+    def hashes(client, prompt):
+        return client.prefix_hashes(prompt, client.salt_of(prompt, "default", None))
 
     for prompt in (long_prompt, short_prompt):
-        got = hashes(prompt, long_from)
+        salt = client.salt_of(prompt, "default", None)
+        assert salt == engine.make_request(prompt, tenant="default").cache_salt
+        assert (salt != "default") == (prompt is long_prompt)
+        got = hashes(client, prompt)
         assert got and all(h in cached for h in got)
-    assert not set(hashes(long_prompt, long_from)) & set(hashes(long_prompt, None))
+    assert not set(hashes(client, long_prompt)) & set(hashes(plain, long_prompt))
 
 
 def test_gemma3_config_reads_as_transformers_does(ckpts, hf_models) -> None:
