@@ -31,7 +31,8 @@ import weakref
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from fairbatch.engine.core import EngineCore, RequestDelta
+from fairbatch.engine.core import EngineCore
+from fairbatch.engine.outputs import RequestDelta
 from fairbatch.engine.sampling_params import SamplingParams
 
 

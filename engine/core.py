@@ -20,32 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from fairbatch.engine.detokenizer import IncrementalDetokenizer
+from fairbatch.engine.outputs import RequestDelta
 from fairbatch.engine.sampling_params import LoRARequest, SamplingParams
 from fairbatch.engine.structured import StructuredOutput
 from fairbatch.scheduler import Request, RequestStatus, Scheduler
 from fairbatch.scheduler.request import PromptLogprobs
-
-
-@dataclass
-class RequestDelta:
-    """What one step added to one request (the streaming unit)."""
-
-    request_id: str
-    token_ids: list[int]  # new token ids (0 or 1 per step)
-    text: str  # new text ("" when no tokenizer, or held back at a UTF-8/stop boundary)
-    finished: bool
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
-    logprobs: list[Any] | None = None  # the sampler's record per new token, when asked
-    # With the request's first token only: the prompt's log-prob records (when asked for:
-    # entry 0 None, then one per prompt token) and the prompt tokens found in the prefix cache.
-    prompt_logprobs: list[Any] | None = None
-    num_cached_tokens: int | None = None
-    # With the last delta: how often the engine preempted it (usage records)
-    num_preemptions: int | None = None
-    # In a cluster (set by its client): the replica that produced these tokens and, with the
-    # last delta, how many replicas the request left on the way (migrations, resubmissions)
-    replica_id: str | None = None
-    num_moves: int | None = None
 
 
 @dataclass

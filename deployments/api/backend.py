@@ -10,7 +10,7 @@ another implementation with the same protocol.
 Backend protocol (duck-typed; only `generate`, `abort`, `tokenizer`, `max_model_len` required):
 
 * `generate(prompt_token_ids, params, *, request_id, tenant, priority[, cache_salt])` -> an
-  async iterator of `fairbatch.engine.core.RequestDelta`, ending with a delta whose `finished`
+  async iterator of `fairbatch.engine.outputs.RequestDelta`, ending with a delta whose `finished`
   is True (`finish_reason` "stop" | "length" | "abort" | "error"). Contract:
     - nothing is submitted before the first `__anext__`;
     - closing the iterator early (`aclose()`, or cancelling the task awaiting it) aborts the
@@ -54,7 +54,7 @@ import functools
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from fairbatch.engine.core import RequestDelta
+from fairbatch.engine.outputs import RequestDelta
 from fairbatch.engine.sampling_params import SamplingParams
 
 

@@ -21,7 +21,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fairbatch.engine.core import RequestDelta
+from fairbatch.engine.outputs import RequestDelta
 
 
 def merge(deltas: list[Any]) -> Any:

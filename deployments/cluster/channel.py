@@ -104,7 +104,7 @@ def owner_key(owner: ActorOwner | DriverOwner) -> str:
 
 @dataclass
 class Outbox:
-    """One consumer's unread items on a replica (`StreamItem`s and `Moved` markers)."""
+    """One consumer's unread items on a replica (`RequestDelta`s and `Moved` markers)."""
 
     consumer: str
     owner: Any = None  # the consumer's ActorOwner or DriverOwner, checked for liveness

@@ -51,8 +51,8 @@ from fairbatch.deployments.cluster.wire import (
     Assignment,
     Moved,
     RequestMeta,
-    StreamItem,
 )
+from fairbatch.engine.outputs import RequestDelta
 from fairbatch.engine.sampling_params import SamplingParams
 from fairbatch.kv.block_pool import hash_block
 from fairbatch.scheduler.request import lora_salt
@@ -152,7 +152,7 @@ class ClusterClient:
         cache_salt: str | None = None,
         fork_of: str | None = None,
         on_assign: Callable[[Assignment], Any] | None = None,
-    ) -> AsyncIterator[StreamItem]:
+    ) -> AsyncIterator[RequestDelta]:
         """Stream the request's items. `on_assign` is called with each assignment the
         controller makes for it (once, plus once per resubmission)."""
         params = params or SamplingParams()
@@ -188,14 +188,14 @@ class ClusterClient:
                     log.warning("admit %s failed: %r", rid, e)
                     await self._abandon(rid, None)
                     finished = True
-                    yield StreamItem([], "", True, "error", error=f"admission failed: {e!r}")
+                    yield RequestDelta(rid, [], "", True, "error", error=f"admission failed: {e!r}")
                     return
                 if assignment.refused is not None:  # over a cluster-wide limit
                     finished = True
                     raise assignment.refused
                 if assignment.finish_reason is not None:  # its queue deadline passed
                     finished = True
-                    yield StreamItem([], "", True, assignment.finish_reason)
+                    yield RequestDelta(rid, [], "", True, assignment.finish_reason)
                     return
                 replica_id, handle = assignment.replica_id, assignment.replica
                 self._where[rid] = handle
@@ -241,7 +241,7 @@ class ClusterClient:
                         self._abort_quietly(rid, handle)
                     if resubmits > self.max_resubmits:
                         finished = True
-                        yield StreamItem([], "", True, "error", error=f"gave up: {e!r}")
+                        yield RequestDelta(rid, [], "", True, "error", error=f"gave up: {e!r}")
                         return
                     await self._report_failure(replica_id)
                     _resubmission(meta, delivered, sent)
@@ -250,7 +250,9 @@ class ClusterClient:
                     # a bad request, or a stall
                     await self._abandon(rid, handle)
                     finished = True
-                    yield StreamItem([], "", True, "error", replica_id=replica_id, error=repr(e))
+                    yield RequestDelta(
+                        rid, [], "", True, "error", replica_id=replica_id, error=repr(e)
+                    )
                     return
                 finally:
                     link.close(rid)
@@ -332,7 +334,7 @@ def _resubmission(meta: RequestMeta, delivered: list[int], sent: set[str]) -> No
         meta.params = dataclasses.replace(meta.params, prompt_logprobs=None)
 
 
-def _pass_once(item: StreamItem, sent: set[str]) -> None:
+def _pass_once(item: RequestDelta, sent: set[str]) -> None:
     """Clear the FIRST_ONLY fields of `item` that the caller already had from this request
     (the replica that takes over a resubmission may send them again); note the others."""
     for name in FIRST_ONLY:
@@ -357,7 +359,7 @@ async def _get(queue: asyncio.Queue, timeout_s: float) -> Any:
 async def collect(client: ClusterClient, prompt_ids: list[int], params, **kw) -> dict:
     """Run one request to the end; its tokens, the items and the replicas that served it."""
     tokens: list[int] = []
-    items: list[StreamItem] = []
+    items: list[RequestDelta] = []
     async for item in client.generate(prompt_ids, params, **kw):
         tokens.extend(item.token_ids)
         items.append(item)

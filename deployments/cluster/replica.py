@@ -34,8 +34,9 @@ from fairbatch.deployments.cluster import channel, trace
 from fairbatch.deployments.cluster.channel import CHANNEL_BACKPRESSURE, Outbox, owner_key
 from fairbatch.deployments.cluster.replica_config import ReplicaConfig, build_core, pace_step
 from fairbatch.deployments.cluster.replica_report import Reports
-from fairbatch.deployments.cluster.wire import Moved, RequestMeta, StreamItem
-from fairbatch.engine.core import MigratedRequest, RequestDelta
+from fairbatch.deployments.cluster.wire import Moved, RequestMeta
+from fairbatch.engine.core import MigratedRequest
+from fairbatch.engine.outputs import RequestDelta
 from fairbatch.scheduler import RequestStatus
 
 __all__ = ["DEAD_CONSUMER", "Replica", "ReplicaConfig", "build_core", "replica_actor"]
@@ -159,9 +160,7 @@ class Replica(Reports):
             route = self._routes.get(meta.request_id)
             if error and (route is None or route.box is not box):  # (not a copy running)
                 rid = meta.request_id
-                box.put(
-                    StreamItem([], "", True, "error", error=f"refused: {error}", request_id=rid)
-                )
+                box.put(RequestDelta(rid, [], "", True, "error", error=f"refused: {error}"))
         return errors
 
     async def adopt(self, consumer: str, migrated: Any, owner: Any = None) -> str | None:
@@ -276,7 +275,7 @@ class Replica(Reports):
         if isinstance(deltas, BaseException):  # the step loop died: end every request
             error = f"the engine failed: {deltas!r}"
             for rid in list(self._routes):
-                self._end(rid, StreamItem([], "", True, "error", error=error, request_id=rid))
+                self._end(rid, RequestDelta(rid, [], "", True, "error", error=error))
             return
         # (the engine may be a step further by now: these deltas' step is the one delivered)
         steps, replica_id, routes = self.engine.delivered_step, self.replica_id, self._routes
@@ -288,22 +287,10 @@ class Replica(Reports):
             if times is not None:
                 _trace_step(d.request_id, steps, times)
             route.num_out += len(d.token_ids)
-            item = StreamItem(
-                d.token_ids,
-                d.text,
-                d.finished,
-                d.finish_reason,
-                steps,
-                replica_id,
-                logprobs=d.logprobs,
-                request_id=d.request_id,
-                prompt_logprobs=d.prompt_logprobs,
-                num_cached_tokens=d.num_cached_tokens,
-                num_preemptions=d.num_preemptions,
-            )
+            d.step, d.replica_id = steps, replica_id  # (the engine's delta goes as it is)
             if d.finished:
-                self._end(d.request_id, item)
-            elif not route.box.put(item):
+                self._end(d.request_id, d)
+            elif not route.box.put(d):
                 self._stalled(route.box)
 
     def _end(self, rid: str, last: Any) -> None:
@@ -339,7 +326,7 @@ class Replica(Reports):
             else:
                 error = DEAD_CONSUMER
             for rid in ids:
-                self._end(rid, StreamItem([], "", True, "error", error=error, request_id=rid))
+                self._end(rid, RequestDelta(rid, [], "", True, "error", error=error))
         finally:
             self._stalling.discard(box.consumer)
 
@@ -376,7 +363,7 @@ class Replica(Reports):
         """Abort a request; its consumer gets an "abort" item. False if it was not here."""
         ok = await self.engine.abort(request_id)
         if ok:
-            item = StreamItem([], "", True, "abort", request_id=request_id)
+            item = RequestDelta(request_id, [], "", True, "abort")
             self._end(request_id, item)
         return ok
 

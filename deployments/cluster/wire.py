@@ -1,4 +1,5 @@
-"""Plain data that crosses actor boundaries: request metadata, stream items, replica reports.
+"""Plain data that crosses actor boundaries: request metadata, assignments, move markers,
+replica reports (engine output crosses as `engine.outputs.RequestDelta`).
 
 Everything here pickles (Ray ships it between processes) and imports neither torch nor ray.
 """
@@ -11,7 +12,8 @@ from typing import Any
 from fairbatch.engine.sampling_params import SamplingParams
 from fairbatch.policies.quota import Rejected
 
-FIRST_ONLY = ("prompt_logprobs", "num_cached_tokens")  # StreamItem fields a request gets once
+# RequestDelta fields a request gets once (its client passes each on once, also after a move)
+FIRST_ONLY = ("prompt_logprobs", "num_cached_tokens")
 
 
 @dataclass
@@ -54,31 +56,6 @@ class RequestMeta:
     def num_charged_prompt_tokens(self) -> int:
         """The prompt tokens its tenant pays for: a sibling sample's were paid by sample 0."""
         return 0 if self.fork_of is not None else len(self.prompt_ids)
-
-
-@dataclass
-class StreamItem:
-    """New tokens of one request (one step, or several coalesced)."""
-
-    token_ids: list[int]
-    text: str
-    finished: bool
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
-    step: int = 0  # the replica's step count when the last of these tokens came out
-    replica_id: str = ""
-    error: str | None = None  # with finish_reason "error": what went wrong
-    # one sampler record per token in token_ids, [(sampled_id, lp), (top1_id, lp), ...];
-    # None unless the request asked for logprobs
-    logprobs: list | None = None
-    request_id: str = ""  # whose tokens (a channel message carries many requests' items)
-    # With the request's first tokens only (`RequestDelta`'s fields): the prompt's log-prob
-    # records when asked for (entry 0 None, then one per prompt token), and the prompt tokens
-    # its admission found in the prefix cache. The client passes each on once per request.
-    prompt_logprobs: list | None = None
-    num_cached_tokens: int | None = None
-    num_preemptions: int | None = None  # with the last item: the engine's count (usage)
-    # with the last item, set by the client: the replicas the request left on the way
-    num_moves: int | None = None
 
 
 @dataclass

@@ -16,7 +16,7 @@ from fairbatch.deployments.cluster.client import ClusterClient
 from fairbatch.deployments.cluster.launch import ClusterHandles
 from fairbatch.deployments.cluster.limits import TenantLimit
 from fairbatch.deployments.metrics import RequestTimer, get_metrics
-from fairbatch.engine.core import RequestDelta
+from fairbatch.engine.outputs import RequestDelta
 from fairbatch.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -82,19 +82,7 @@ class ClusterBackend:
                 timer.tokens_out(len(item.token_ids), item.replica_id)
                 if item.error:
                     log.warning("request_id=%s failed in the cluster: %s", request_id, item.error)
-                yield RequestDelta(
-                    request_id,
-                    list(item.token_ids),
-                    item.text,
-                    item.finished,
-                    item.finish_reason,
-                    item.logprobs,
-                    item.prompt_logprobs,
-                    item.num_cached_tokens,
-                    item.num_preemptions,
-                    item.replica_id or None,
-                    item.num_moves,
-                )
+                yield item
                 if item.finished:
                     reason = item.finish_reason or "stop"
                     return

@@ -1,8 +1,8 @@
 """The API against scripted backends (no torch): the backend protocol's contract, and what the
 client sees when a backend fails, aborts, hangs or refuses. Every wait is bounded.
 
-The scripted backend yields the cluster's `StreamItem`s (no logprobs, several tokens per item),
-so this also checks the API takes what `ClusterClient.generate` streams."""
+The scripted backend yields `RequestDelta`s as the cluster client does (no logprobs, several
+tokens per item), so this also checks the API takes what `ClusterClient.generate` streams."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import pytest
 from loopback import ServerLoop
 
 from fairbatch.deployments.api.backend import bind_backend, create_app
-from fairbatch.deployments.cluster.wire import StreamItem
+from fairbatch.engine.outputs import RequestDelta
 from fairbatch.engine.tokenizer import Tokenizer
 
 MODEL = "fairbatch-tiny"
@@ -50,23 +50,23 @@ class ScriptedBackend:
                 raise RuntimeError("replica died")
             if self.mode == "fail_first":  # an error item before any token (admission failed)
                 finished = True
-                yield StreamItem([], "", True, "error", error="admission failed")
+                yield RequestDelta("r", [], "", True, "error", error="admission failed")
                 return
-            yield StreamItem([65], "A", False)
+            yield RequestDelta("r", [65], "A", False)
             if self.mode == "fail_mid":
                 raise RuntimeError("replica died mid-stream")
             if self.mode == "abort":
                 finished = True
-                yield StreamItem([], "", True, "abort")
+                yield RequestDelta("r", [], "", True, "abort")
                 return
             if self.mode == "hang":
                 event = self._release.setdefault(request_id, asyncio.Event())
                 await event.wait()  # until closed or aborted
                 finished = True
-                yield StreamItem([], "", True, "abort")
+                yield RequestDelta("r", [], "", True, "abort")
                 return
             finished = True
-            yield StreamItem([66, 67], "BC", True, "length")
+            yield RequestDelta("r", [66, 67], "BC", True, "length")
         finally:
             if not finished:
                 self.closed.append(request_id)

@@ -321,12 +321,12 @@ class TimesOut(ScriptedReply):
     """Writes its reply, then the request's deadline passes (finish reason "timeout")."""
 
     async def generate(self, prompt_token_ids, params, **kw):
-        from fairbatch.deployments.cluster.wire import StreamItem
+        from fairbatch.engine.outputs import RequestDelta
 
         async for item in super().generate(prompt_token_ids, params, **kw):
             item.finished, item.finish_reason = False, None
             yield item
-        yield StreamItem([], "", True, "timeout")
+        yield RequestDelta("r", [], "", True, "timeout")
 
 
 def test_a_deadline_that_passes_makes_the_response_incomplete():
@@ -392,12 +392,12 @@ class Endless(ScriptedReply):
     async def generate(self, prompt_token_ids, params, *, request_id, **kw):
         import asyncio
 
-        from fairbatch.deployments.cluster.wire import StreamItem
+        from fairbatch.engine.outputs import RequestDelta
 
         while request_id not in self.aborted:
-            yield StreamItem([1], self.reply, False, None)
+            yield RequestDelta("r", [1], self.reply, False, None)
             await asyncio.sleep(0.01)
-        yield StreamItem([], "", True, "abort")
+        yield RequestDelta("r", [], "", True, "abort")
 
     async def abort(self, request_id: str) -> bool:
         self.aborted.add(request_id)

@@ -39,14 +39,14 @@ class ScriptedReply:
     async def generate(
         self, prompt_token_ids, params, *, request_id, tenant, priority, fork_of=None
     ):
-        from fairbatch.deployments.cluster.wire import StreamItem
+        from fairbatch.engine.outputs import RequestDelta
 
         self.params.append(params)
         self.prompts.append(list(prompt_token_ids))
         text = self.reply
         for i in range(0, len(text), self.piece):
             last = i + self.piece >= len(text)
-            yield StreamItem([1], text[i : i + self.piece], last, "stop" if last else None)
+            yield RequestDelta("r", [1], text[i : i + self.piece], last, "stop" if last else None)
 
     async def abort(self, request_id: str) -> bool:
         return False

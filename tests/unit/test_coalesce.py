@@ -5,7 +5,7 @@ import asyncio
 import pytest
 
 from fairbatch.deployments.api.coalesce import coalesce
-from fairbatch.engine.core import RequestDelta
+from fairbatch.engine.outputs import RequestDelta
 
 
 def d(tokens, text, finished=False, reason=None, lps=None):
