@@ -222,7 +222,7 @@ def ray_admissions(num_replicas: int = 4, sizes: tuple[int, ...] = (1000, 4000))
         # room for every request of every run (none is ever streamed, so none ends): admission
         # never waits for a slot
         seats = 2 * sum(sizes) + num_replicas
-        cfg = ReplicaConfig(max_num_seqs=seats // num_replicas, num_gpu_blocks=4096)
+        cfg = ReplicaConfig("sim", max_num_seqs=seats // num_replicas, num_gpu_blocks=4096)
         cluster = start_cluster("bench", [cfg] * num_replicas)
         params = SamplingParams(max_tokens=1, ignore_eos=True)
 

@@ -17,7 +17,9 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 @dataclass
 class ReplicaConfig:
-    engine: str = "sim"  # "sim", "tiny", or a Hugging Face model directory
+    # a Hugging Face model directory, or "tiny" (the embedded model) or "sim" (the simulated
+    # runner: tests and benchmarks); no default, a replica serves the model it is told
+    engine: str
     num_gpu_blocks: int = 256
     num_cpu_blocks: int = 256
     block_size: int = 16

@@ -133,7 +133,7 @@ class ServeAppConfig(AppConfig):
                 raise ValueError("engine.engine: must be 'tiny', 'sim' or a model directory")
             object.__setattr__(self, "model", kind)
         try:
-            _check_dataclass_kwargs(ReplicaConfig, engine, "engine")
+            _check_dataclass_kwargs(ReplicaConfig, {**engine, "engine": self.model}, "engine")
         except ValueError as e:
             raise ValueError(f"engine: {e}") from None
         _check_policy(engine, "priority", "engine")

@@ -71,7 +71,7 @@ class FakeLauncher:
 
 
 def supervisor(launcher: FakeLauncher, n: int = 2, clock=time.monotonic, **kw) -> Supervisor:
-    specs = [ReplicaSpec(f"c-r{i}", ReplicaConfig(max_num_seqs=i + 1)) for i in range(n)]
+    specs = [ReplicaSpec(f"c-r{i}", ReplicaConfig("sim", max_num_seqs=i + 1)) for i in range(n)]
     kw = {"backoff_s": 1.0, "backoff_max_s": 3.0, "grace_s": 0.0, **kw}
     sleeps: list[float] = []
 
@@ -105,7 +105,7 @@ def test_supervisor_replaces_a_dead_replica_with_the_same_config():
         await settle(sup)
         name, config = fl.created[-1]
         assert name.startswith("c-r0" + SEP) and name in fl.up
-        assert config == ReplicaConfig(max_num_seqs=1)  # slot c-r0's config
+        assert config == ReplicaConfig("sim", max_num_seqs=1)  # slot c-r0's config
         assert sup.slots["c-r0"].current == name and sup.stats()["replaced"] == 1
         assert not sup.register("c-r0")  # the dead one never serves again
         die(fl, sup, "c-r1-not-current")  # not a slot's replica in service: nothing happens
