@@ -441,9 +441,6 @@ class Replica(Reports):
     async def set_tenant_counters(self, counters: dict[str, float]) -> None:
         await self.engine.call(self.core.scheduler.set_tenant_counters, counters)
 
-    async def set_time_scale(self, time_scale: float) -> None:
-        self.time_scale = time_scale
-
     async def ping(self) -> str:
         return self.replica_id
 
