@@ -1,12 +1,13 @@
 """The shape of a decoder model, read from a Hugging Face `config.json`.
 
 `ModelConfig` holds capabilities, not families: q/k norms, mixture-of-experts layers, partial
-rotary and RoPE scaling (llama3, linear, longrope: engine/rope.py), sliding windows, interleaved
-sliding and global layers, the attention scale, the activation, the logit soft-cap. A pure
-dataclass: building one never touches the disk, so the scheduler, the simulated runner and tests
-can describe a model without a checkpoint. `from_hf_dict` hands a `config.json` to the family
-its `architecture` names (engine/models), which reads it with the helpers below; both the
-transformers 4.x layout (`rope_theta` + `rope_scaling`) and the 5.x one (`rope_parameters`).
+rotary and RoPE scaling (llama3, linear, longrope: engine/models/rope.py), sliding windows,
+interleaved sliding and global layers, the attention scale, the activation, the logit
+soft-cap. A pure dataclass: building one never touches the disk, so the scheduler, the
+simulated runner and tests can describe a model without a checkpoint. `from_hf_dict` hands a
+`config.json` to the family its `architecture` names (engine/models), which reads it with the
+helpers below; both the transformers 4.x layout (`rope_theta` + `rope_scaling`) and the 5.x
+one (`rope_parameters`).
 
 Sliding windows: `sliding_window` on every layer, or with `layer_types` on the SLIDING layers
 only. A window `w` means query position `p` sees keys `p - w + 1 .. p`, as Hugging Face masks

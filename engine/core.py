@@ -344,8 +344,8 @@ class EngineCore:
 
     def _resalt(self, new_tokens: dict, finished: dict) -> None:
         """A request whose salt the model's rule changed with its new token (longrope past the
-        original length, engine/rope.py): its K/V are recomputed under the new salt (preempted
-        by recompute, its output kept), as transformers' longrope `generate` recomputes them."""
+        original length, engine/models/rope.py): its K/V are recomputed under the new salt
+        (preempted by recompute, its output kept), as transformers' longrope `generate` does."""
         rule = self.salt_rule
         for rid in new_tokens:
             request = self.scheduler.requests.get(rid)

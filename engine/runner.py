@@ -82,8 +82,9 @@ class ModelRunner:
         self._timers: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # not yet read
         # LoRA adapters (engine/lora.py's attach_lora): the step's slot per token goes here
         self.lora = None
-        # longrope: the original context length, past which a sequence turns long
-        self.rope_long_from = model.model.rotary.long_from
+        # a rotary that reads the step's schedule (longrope's per-sequence flags), or None
+        rotary = model.model.rotary
+        self._rotary_step = rotary.set_step if rotary.reads_schedule else None
 
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Capture the decode forward at the padded batch sizes up to `max_num_seqs`."""
@@ -153,8 +154,8 @@ class ModelRunner:
 
         if self.lora is not None:
             self._set_lora_slots(out)
-        if self.rope_long_from is not None:
-            self._set_rope_long(out)
+        if self._rotary_step is not None:
+            self._rotary_step(out, self.device)
         t0 = time.perf_counter()
         timer = self._start_timer()
         hidden, staged = self._forward(input_ids, query_lens, seq_lens, tables, extra)
@@ -236,22 +237,6 @@ class ModelRunner:
             n += len(plan_arrays)
             hidden = self.model(dev["ids"].long(), positions, self.kv_caches, meta)
         return hidden, [v.long() for v in views[n:]]
-
-    def _set_rope_long(self, out: SchedulerOutput) -> None:
-        """longrope: flag the tokens of sequences past the original length (the engine
-        recomputes one that grows past it: EngineCore._resalt) for the rotary, which turns
-        positions past that length long anyway. Only a long request's prefill below it needs
-        the flags; other steps (every decode step, so a replayed CUDA graph) build none."""
-        rotary, long_from = self.model.model.rotary, self.rope_long_from
-        rotary.long_tokens = None
-        if not any(
-            long_from < r.num_tokens and r.num_computed_tokens < long_from for r in out.scheduled
-        ):
-            return
-        flags: list[bool] = []
-        for req in out.scheduled:
-            flags += [req.num_tokens > long_from] * out.num_scheduled_tokens[req.request_id]
-        rotary.long_tokens = torch.tensor(flags, dtype=torch.bool).to(self.device)
 
     def _set_lora_slots(self, out: SchedulerOutput) -> None:
         """The step's rows grouped by adapter slot for the model's LoRA projections; None

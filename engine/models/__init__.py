@@ -3,7 +3,8 @@
 One decoder (`decoder.CausalLM`) runs every family. A family module reads its `config.json`
 into a `ModelConfig` (defaults, biases, windows, the RoPE types it knows), subclasses `CausalLM`
 where its model differs, and registers both with `@register(architecture, model_type, model)` on
-its config reader. Every module here but `decoder` is a family, imported with the package.
+its config reader. Every module here but the shared layers (`decoder`, `rope`) is a family,
+imported with the package.
 """
 
 from __future__ import annotations
@@ -68,5 +69,5 @@ def build_model(config: ModelConfig, attn_backend: str | None = "torch") -> Caus
 
 
 for _module in pkgutil.iter_modules(__path__):
-    if _module.name != "decoder":
+    if _module.name not in ("decoder", "rope"):
         importlib.import_module(f"{__name__}.{_module.name}")

@@ -5,7 +5,7 @@ A step's tokens from many sequences (prefill chunks and decode tokens alike) are
 batch: `positions` gives each token's absolute position and `AttentionMetadata` its sequence and
 KV slots. Every projection runs once over all tokens; only attention looks at sequence
 boundaries. Numerics follow transformers operation for operation (norms in float32, RoPE as
-engine/rope.py computes it, MoE routing). `CausalLM` is the plain decoder a `ModelConfig`'s
+engine/models/rope.py computes it, MoE routing). `CausalLM` is the plain decoder a `ModelConfig`'s
 capabilities describe; a family whose model differs subclasses it.
 """
 
@@ -27,8 +27,8 @@ from fairbatch.engine.attention import (
     get_attn_backend,
 )
 from fairbatch.engine.config import ModelConfig
+from fairbatch.engine.models.rope import RotaryEmbedding, apply_rope
 from fairbatch.engine.ops import linear, pack_linears
-from fairbatch.engine.rope import RotaryEmbedding, apply_rope
 
 logger = logging.getLogger(__name__)
 

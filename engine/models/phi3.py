@@ -1,5 +1,5 @@
 """Phi-3 and Phi-4-mini: the plain decoder with no biases, a sliding window on every layer,
-partial rotary and longrope scaling (engine/rope.py says which factor set a token gets). The
+partial rotary and longrope scaling (engine/models/rope.py says which factor set a token gets). The
 checkpoint stores q/k/v and gate/up fused, rows in the engine's order: they load as they are."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 from fairbatch.engine.config import ModelConfig, read_hf_config, read_rope
 from fairbatch.engine.models import CausalLM, register
-from fairbatch.engine.rope import rope_long_from
+from fairbatch.engine.models.rope import rope_long_from
 
 # Phi3Config's defaults where they differ from the common ones
 DEFAULTS = dict(

@@ -21,7 +21,7 @@ from fairbatch.engine.attention import (
 from fairbatch.engine.config import ModelConfig
 from fairbatch.engine.loader import load_hf_model
 from fairbatch.engine.models import CausalLM
-from fairbatch.engine.rope import rope_inv_freq
+from fairbatch.engine.models.rope import rope_inv_freq
 from fairbatch.engine.staging import IntRows
 
 CKPTS = ["llama_ckpt", "llama3_ckpt", "qwen2_ckpt", "mistral_ckpt"]

@@ -23,6 +23,7 @@ needs none).
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import nn
@@ -96,6 +97,24 @@ class RotaryEmbedding(nn.Module):
         # for a step (`long_tokens [T]` bool, or None): see the module docstring.
         self.long_from = rope_long_from(config)  # None without longrope
         self.long_tokens: torch.Tensor | None = None
+        self.reads_schedule = self.long_from is not None  # the runner calls set_step
+
+    def set_step(self, out: Any, device: Any) -> None:
+        """longrope: flag the tokens of the step's sequences past the original length (the
+        engine recomputes one that grows past it: EngineCore._resalt); positions past that
+        length turn long anyway. Only a long request's prefill below it needs the flags; other
+        steps (every decode step, so a replayed CUDA graph) build none. `out`: the step's
+        SchedulerOutput."""
+        long_from = self.long_from
+        self.long_tokens = None
+        if not any(
+            long_from < r.num_tokens and r.num_computed_tokens < long_from for r in out.scheduled
+        ):
+            return
+        flags: list[bool] = []
+        for req in out.scheduled:
+            flags += [req.num_tokens > long_from] * out.num_scheduled_tokens[req.request_id]
+        self.long_tokens = torch.tensor(flags, dtype=torch.bool).to(device)
 
     def forward(
         self, positions: torch.Tensor, dtype: torch.dtype
