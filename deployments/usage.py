@@ -20,13 +20,6 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-# How the request ended: the engine's "stop", "length", "timeout", "abort", "error"; or
-# "client_gone" (its client left first), "refused" (a cluster-wide limit refused it after
-# this ingress admitted it), "ingress_lost" (its ingress died; the controller wrote it).
-FINISH_REASONS = (
-    "stop", "length", "timeout", "abort", "error", "client_gone", "refused", "ingress_lost",
-)  # fmt: skip
-
 
 @dataclass
 class UsageRecord:
@@ -38,7 +31,10 @@ class UsageRecord:
     Times are Unix seconds; `first_token` None when it produced none. `replica` is the one
     that finished it (None on the one-engine server); `moves` the replicas it left on the way
     (migrations, and resubmissions after a replica died); `preemptions` how often the replica
-    that finished it preempted it."""
+    that finished it preempted it. `finish_reason`: the engine's "stop", "length", "timeout",
+    "abort", "error"; or "client_gone" (its client left first), "refused" (a cluster-wide limit
+    refused it after its ingress admitted it), "ingress_lost" (its ingress died; the controller
+    wrote it)."""
 
     request_id: str
     response_id: str  # the API response it belongs to (one response may hold several)
@@ -91,7 +87,6 @@ class UsageLog:
         self._lock = threading.Lock()  # appends (event loop) vs. summaries (a thread)
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (kept open)
         self._size = self._file.tell()
-        self.num_records = 0
 
     def append(self, records: list[UsageRecord]) -> None:
         self.write([r.to_json() for r in records])
@@ -108,7 +103,6 @@ class UsageLog:
             self._file.write(text)
             self._file.flush()
             self._size += size
-            self.num_records += len(lines)
 
     def _rotate(self) -> None:
         self._file.close()

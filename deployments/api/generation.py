@@ -70,7 +70,9 @@ async def completions(request: Request) -> Any:
         if lora is not None:
             params = dataclasses.replace(params, lora=lora)
         jobs.append((prompt if isinstance(prompt, str) else None, ids, params))
-    started = await api.launch(request, tenant, "cmpl-", [(ids, p) for _, ids, p in jobs])
+    started = await api.launch(
+        request, tenant, "cmpl-", [(ids, p) for _, ids, p in jobs], model=body.model
+    )
     runs = []
     for ticket, it, first, job, sample in started:
         text, ids, params = jobs[job]
@@ -164,7 +166,7 @@ async def _chat_runs(
     params = with_plan(params, plan)
     if lora is not None:
         params = dataclasses.replace(params, lora=lora)
-    launched = await api.launch(request, tenant, prefix, [(ids, params)])
+    launched = await api.launch(request, tenant, prefix, [(ids, params)], model=body.model)
     return [
         ResponseRun(
             api,

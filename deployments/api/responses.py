@@ -64,7 +64,6 @@ class ResponseRun:
         # chat: the output's converter into the message (tool calls, reasoning; ChatPlan), or
         # None for plain content
         self.output = output
-        ticket.model = self.model
         self.text_len = 0
         self.created = ticket.created
         self.object = "chat.completion" if chat else "text_completion"

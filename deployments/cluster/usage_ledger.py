@@ -53,7 +53,6 @@ class UsageLedger:
         self.clock = clock
         self.open: dict[str, _Open] = {}
         self.written: dict[str, float] = self._recent_ids()  # request id -> when written
-        self.num_written_here = 0  # records this controller wrote for lost ingresses
 
     def _recent_ids(self) -> dict[str, float]:
         path = self.log.path
@@ -121,7 +120,6 @@ class UsageLedger:
         for r in records:
             self.written[r.request_id] = now
         self.log.append(records)
-        self.num_written_here += len(records)
         stale = [rid for rid, t in self.written.items() if now - t > self.keep_s]
         for rid in stale:
             del self.written[rid]
