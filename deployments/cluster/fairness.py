@@ -364,8 +364,9 @@ class FairnessCore:
         accounting back with `migrate` if the replica refused)."""
         rid = t.request_id
         self._shift(t, src, dst)
-        if waiting_only:  # assigned to dst now, not seen there yet: not a candidate meanwhile
-            t.seen, t.assigned_at = False, self.clock()
+        # Assigned to dst now, not seen there yet: not a candidate meanwhile, and dropped after
+        # stale_assignment_s if it never arrives (its client died holding the move's marker).
+        t.seen, t.assigned_at = False, self.clock()
         self._moving[rid] = src.replica_id
         self.num_migrations += 1
         return Migrate(rid, src.replica_id, dst.replica_id, waiting_only)
@@ -396,8 +397,9 @@ class FairnessCore:
                 self.placement.touch(dst)
         elif dst is not None:
             self._shift(t, dst, src)
-            if action.waiting_only:  # seen there, and started, as its source will report
-                t.seen = t.running = True
+            t.seen = True  # back where it was seen
+            if action.waiting_only:  # and started there, as its source will report
+                t.running = True
         return self.dispatch()
 
     def migrate(self, request_id: str, dst_id: str | None = None) -> Migrate | None:

@@ -225,6 +225,35 @@ def test_coordinated_preemption_picks_the_cluster_wide_victim():
     assert [a for a in actions if isinstance(a, Migrate)] == [Migrate("H", "r1", "r0")]
 
 
+def test_a_moved_request_that_never_reaches_its_destination_leaves_its_slot():
+    """A displaced request moves r1 -> r0, but its client dies holding the move's marker, so
+    r0 never gets it: once stale_assignment_s has passed without r0 reporting it, the ticket
+    and its slot go, as for a request whose client never reached its first replica."""
+    now = [0.0]
+    tenants = [TenantSpec("light"), TenantSpec("heavy")]
+    config = ControllerConfig(tenants=tenants, local_queue=0, stale_assignment_s=30.0)
+    core = FairnessCore(config, clock=lambda: now[0])
+    r0, r1 = Reporter("r0"), Reporter("r1")
+    core.report(r0())
+    core.report(r1())
+    core.submit(meta("L", tenant="light"))
+    core.submit(meta("H", tenant="heavy", n=50))
+    core.report(r0(active={"L": ("light", 0, True, 10, 1)}))
+    core.report(r1(active={"H": ("heavy", 0, True, 50, 1)}))
+    core.submit(meta("vip", tenant="light", priority=5))  # displaces H on r1
+    [move] = [a for a in core.report(r0(finished=[("L", 10)])) if isinstance(a, Migrate)]
+    assert move == Migrate("H", "r1", "r0")
+    core.report(r1(finished=[("H", 1)], active={"vip": ("light", 5, True, 10, 0)}))
+    assert core.move_done(move, ok=True) == []
+    assert core.where("H") == "r0" and core.stats()["assigned"] == {"r0": 1, "r1": 1}
+    now[0] = 29.0
+    core.report(r0())  # r0 has not seen it yet: still in flight
+    assert core.where("H") == "r0"
+    now[0] = 31.0
+    core.report(r0())
+    assert core.where("H") is None and core.stats()["assigned"] == {"r0": 0, "r1": 1}
+
+
 def test_the_controller_and_a_replica_choose_victims_by_one_rule():
     counters = {"a": 5.0, "b": 10.0}
     preemption, tickets = Preemption(), []
