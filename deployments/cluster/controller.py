@@ -325,14 +325,6 @@ class Controller(ClientSide):
         self._pushed[rep.replica_id] = counters
         return counters
 
-    async def migrate(self, request_id: str, dst_id: str | None = None) -> str | None:
-        """Move a request to another replica (tests, operators). Returns the destination."""
-        action = self.core.migrate(request_id, dst_id)
-        if action is None:
-            return None
-        ok = await self._migrate(action)
-        return action.dst if ok else None
-
     # ---- actions ----------------------------------------------------------------------------
 
     def _answer(self, rid: str, assignment: Assignment) -> None:

@@ -457,18 +457,6 @@ class Replica(Reports):
             return str(e)
         return None
 
-    async def check(self) -> dict:
-        """Pool integrity (raises if broken) and whether everything is free again."""
-
-        def run() -> dict:
-            self.core.check_integrity()
-            return {
-                "all_free": self.core.scheduler.kv.all_free(),
-                "requests": len(self.core.scheduler.requests),
-            }
-
-        return await self.engine.call(run)
-
     async def stats(self) -> dict:
         def run() -> dict:
             s = self.core.scheduler

@@ -67,6 +67,7 @@ def check_replicas(clusters: list, timeout_s: float = 60.0) -> None:
     import time
 
     import ray
+    from live_actors import replica_check
     from ray.exceptions import RayActorError
 
     deadline = time.monotonic() + timeout_s
@@ -74,7 +75,7 @@ def check_replicas(clusters: list, timeout_s: float = 60.0) -> None:
         for rid, handle in cluster.replicas.items():
             while True:
                 try:
-                    state = ray.get(handle.check.remote(), timeout=timeout_s)
+                    state = replica_check(handle, timeout_s)
                 except RayActorError:
                     break  # killed by the test
                 if state["all_free"] and state["requests"] == 0:

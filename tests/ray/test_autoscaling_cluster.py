@@ -24,6 +24,7 @@ import tempfile
 import time
 
 import pytest
+from live_actors import replica_check
 
 from tests.ray.conftest import sim_tokens
 
@@ -190,7 +191,7 @@ def test_ramp_scales_up_then_drains_without_loss(autoscaling_ray):
     assert s["autoscaling"]["drained"] >= MAX_REPLICAS - 1
     assert s["autoscaling"]["drains_cut"] == 0
     last = next(iter(cluster.replicas.values()))
-    check = ray.get(last.check.remote(), timeout=30)
+    check = replica_check(last)
     assert check == {"all_free": True, "requests": 0}
     assert s["queued"] == 0 and not any(s["assigned"].values())
     cluster.shutdown()

@@ -11,6 +11,7 @@ import pickle
 
 import pytest
 import ray
+from live_actors import migrate
 
 from fairbatch.deployments.cluster.client import ClusterClient, collect
 from fairbatch.deployments.cluster.fairness import ControllerConfig
@@ -120,7 +121,7 @@ async def moved_before_first_token(c, p: list[int]) -> tuple[list, str | None]:
     task = asyncio.ensure_future(collect(cc, p, SCORED, request_id="moved"))
     dst = None
     for _ in range(500):
-        dst = await c.controller.migrate.remote("moved")
+        dst = await migrate(c.controller, "moved")
         if dst is not None or task.done():
             break
         await asyncio.sleep(0.01)

@@ -12,6 +12,7 @@ import time
 
 import pytest
 import ray
+from live_actors import migrate
 
 from fairbatch.deployments.cluster.client import ClusterClient, collect
 from fairbatch.deployments.cluster.fairness import ControllerConfig
@@ -98,7 +99,7 @@ async def moved_while_running(c, timeout: float, move_after: float) -> tuple[dic
     start = time.monotonic()
     task = asyncio.ensure_future(collect(cc, prompt(3), params(timeout=timeout), request_id="mv"))
     await asyncio.sleep(move_after)
-    dst = await c.controller.migrate.remote("mv")
+    dst = await migrate(c.controller, "mv")
     moved = time.monotonic() - start
     out = await task
     assert dst is not None and out["replicas"][-1] == dst

@@ -21,6 +21,7 @@ import yaml
 
 openai = pytest.importorskip("openai")
 ray = pytest.importorskip("ray")
+from live_actors import replica_check  # noqa: E402
 from loopback import (  # noqa: E402
     free_port,
     wait_app_running,
@@ -152,7 +153,7 @@ def wait_pools_free(timeout_s: float = 60) -> None:
     for rid, h in replicas().items():
 
         def free(h=h):
-            state = ray.get(h.check.remote(), timeout=30)
+            state = replica_check(h)
             return state["all_free"] and state["requests"] == 0
 
         wait_for(free, timeout_s, f"{rid} to free every block")

@@ -15,6 +15,7 @@ import time
 
 import pytest
 import ray
+from live_actors import migrate
 
 from fairbatch.deployments.cluster.client import ClusterClient, collect
 from fairbatch.deployments.cluster.fairness import ControllerConfig
@@ -255,7 +256,7 @@ async def migrate_midway(c, rid: str, tokens_before: int) -> tuple[dict, str | N
         items.append(item)
         seen.extend(item.token_ids)
         if dst is None and len(seen) >= tokens_before:
-            dst = await c.controller.migrate.remote(rid)
+            dst = await migrate(c.controller, rid)
     replicas = list(dict.fromkeys(i.replica_id for i in items))
     return {"tokens": seen, "replicas": replicas, "items": items}, dst
 

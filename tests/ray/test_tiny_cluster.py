@@ -13,6 +13,7 @@ import time
 
 import pytest
 import ray
+from live_actors import migrate
 
 from fairbatch.deployments.cluster.client import ClusterClient, collect
 from fairbatch.deployments.cluster.fairness import ControllerConfig
@@ -60,7 +61,7 @@ async def migrate_after(c, p: list[int], params: SamplingParams, n: int) -> tupl
     async for item in client.generate(p, params, request_id=rid):
         items.append(item)
         if dst is None and sum(len(i.token_ids) for i in items) >= n:
-            dst = await c.controller.migrate.remote(rid)
+            dst = await migrate(c.controller, rid)
     tokens = [t for i in items for t in i.token_ids]
     replicas = list(dict.fromkeys(i.replica_id for i in items))
     return {"tokens": tokens, "items": items, "replicas": replicas}, dst
