@@ -11,6 +11,9 @@ import torch
 from fairbatch.engine.core import EngineCore
 from fairbatch.engine.lora import LoRAPool, LoRARequest, attach_lora
 from fairbatch.engine.memory import (
+    check_host_kv_memory,
+    default_cpu_cache_gb,
+    host_memory_available,
     kv_cache_budget,
     max_useful_blocks,
     num_kv_blocks,
@@ -86,6 +89,8 @@ def build_engine(
     num_cpu_blocks: int | None = None,
     kv_cache_bytes: int = 256 << 20,
     swap_space_bytes: int = 256 << 20,
+    cpu_cache_gb: float | None = None,
+    num_cpu_cache_blocks: int | None = None,
     gpu_memory_utilization: float = 0.9,
     max_num_seqs: int = 128,
     max_num_batched_tokens: int = 2048,
@@ -104,7 +109,10 @@ def build_engine(
     `kv_cache_bytes` on CPU, or on CUDA `gpu_memory_utilization` of the device less the
     weights, the peak activations of a profiled dummy step, the decode CUDA graphs' measured
     memory and what other processes hold (engine/memory.py); either way at most the blocks
-    `max_num_seqs` sequences of `max_model_len` tokens fill. On CUDA decode steps replay CUDA
+    `max_num_seqs` sequences of `max_model_len` tokens fill. Host memory holds the swap space
+    and the prefix cache's host tier (`cpu_cache_gb`, or `num_cpu_cache_blocks`; default: off
+    on CPU, `default_cpu_cache_gb` on CUDA) in one pool (kv/manager.py); more than the machine
+    has free is refused here. On CUDA decode steps replay CUDA
     graphs where the attention backend allows it, unless `enforce_eager`. Settings the
     backend cannot run fail here.
     `max_loras` > 0 serves LoRA adapters (of rank <= `max_lora_rank`) in that many slots,
@@ -167,6 +175,16 @@ def build_engine(
         raise ValueError("no memory left for the KV cache; lower the model size or raise limits")
     if num_cpu_blocks is None:
         num_cpu_blocks = num_blocks_for_budget(layout, swap_space_bytes)
+    available = host_memory_available()
+    if num_cpu_cache_blocks is None:
+        if cpu_cache_gb is None:
+            cpu_cache_gb = default_cpu_cache_gb(dev.type == "cuda", available)
+        if cpu_cache_gb < 0:
+            raise ValueError(f"cpu_cache_gb must be >= 0, got {cpu_cache_gb}")
+        num_cpu_cache_blocks = num_blocks_for_budget(layout, int(cpu_cache_gb * 2**30))
+    bpb = layout.bytes_per_block
+    check_host_kv_memory(num_cpu_cache_blocks * bpb, num_cpu_blocks * bpb, available)
+    num_host_blocks = num_cpu_blocks + num_cpu_cache_blocks
     sched_cfg = SchedulerConfig(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
@@ -174,10 +192,16 @@ def build_engine(
         preemption_mode=preemption_mode,
         kv_bytes_per_token=layout.bytes_per_token,
     )
-    kv = KVCacheManager(num_gpu_blocks, block_size, num_cpu_blocks, enable_prefix_caching)
+    kv = KVCacheManager(
+        num_gpu_blocks,
+        block_size,
+        num_host_blocks,
+        enable_prefix_caching,
+        host_tier=num_cpu_cache_blocks > 0,
+    )
     # (tenants' kv_share reach the KV manager through the policy: Scheduler.__init__)
     scheduler = Scheduler(sched_cfg, kv, queue_policy)
-    cache = CacheEngine(layout, num_gpu_blocks, num_cpu_blocks, dev, pad_block=use_graphs)
+    cache = CacheEngine(layout, num_gpu_blocks, num_host_blocks, dev, pad_block=use_graphs)
     gen = torch.Generator(device=dev).manual_seed(seed)
     runner = ModelRunner(m, cache, Sampler(generator=gen))
     if max_loras > 0:

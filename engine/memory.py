@@ -20,9 +20,13 @@ so a small model on a large GPU does not build millions of Python block objects.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
+
+# The host tier's size on CUDA when not given (GiB), at most a quarter of the free host memory.
+DEFAULT_CPU_CACHE_GB = 4.0
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,34 @@ def num_kv_blocks(budget_bytes: int, bytes_per_block: int, cap: int | None = Non
     """Whole blocks that fit in `budget_bytes`, at most `cap`."""
     blocks = max(int(budget_bytes // bytes_per_block), 0)
     return blocks if cap is None else min(blocks, cap)
+
+
+def host_memory_available() -> int:
+    """Bytes of host memory free for new allocations (the kernel's MemAvailable)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def default_cpu_cache_gb(is_cuda: bool, available: int) -> float:
+    """The host tier's size when not configured: none on a CPU-only engine (its "device" pool
+    is host memory already), else DEFAULT_CPU_CACHE_GB, at most a quarter of `available`."""
+    return min(DEFAULT_CPU_CACHE_GB, available / 4 / 2**30) if is_cuda else 0.0
+
+
+def check_host_kv_memory(tier_bytes: int, swap_bytes: int, available: int) -> None:
+    """Refuse host KV memory (prefix tier + swap space) that the machine does not have free."""
+    if tier_bytes + swap_bytes > available:
+        raise ValueError(
+            f"host KV memory of {(tier_bytes + swap_bytes) / 2**30:.2f} GiB (cpu_cache_gb "
+            f"{tier_bytes / 2**30:.2f} GiB + swap space {swap_bytes / 2**30:.2f} GiB) exceeds "
+            f"the {available / 2**30:.2f} GiB of free host memory; lower cpu_cache_gb"
+        )
 
 
 def dummy_step(

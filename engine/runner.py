@@ -106,12 +106,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
-        # Block copies first: a swap-in may overwrite a freed copy source, a swap-out may read
-        # a copy target. Then swap-ins: a swap-out of this step may reuse the CPU blocks they
-        # read.
+        # In SchedulerOutput's order: host-tier stores first (everything after may write
+        # their device blocks), then block copies (a swap-in may overwrite a freed copy source,
+        # a swap-out may read a copy target), swap-ins, swap-outs, host-tier loads (into blocks
+        # a swap-out may have freed).
+        if self.cache.is_cuda:
+            self.cache.wait_loads()  # the last step's loads: their requests compute now
+        self.cache.store(out.kv_store)
         self.cache.copy_blocks(out.copy_blocks)
         self.cache.swap_in(out.swap_in)
         self.cache.swap_out(out.swap_out)
+        self.cache.load(out.kv_load)
         if self.cache.is_cuda:
             self.cache.poll()
         if not out.scheduled:

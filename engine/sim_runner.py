@@ -22,7 +22,8 @@ tokens after c_r already cached ones:
                   (q.k and p.v for each causal (query, key) pair: query i of the chunk sees
                    c_r + i keys; FlashAttention skips the masked tiles, so the count is causal)
     compute_s = step_overhead_s + max(bytes / (hbm_bw * eff), flops / (peak_flops * eff))
-    swap_s    = (len(swap_in) + len(swap_out)) * bs * kv_bytes_per_token / host_link_bw
+    swap_s    = (len(swap_in) + len(swap_out) + len(kv_store) + len(kv_load))
+                * bs * kv_bytes_per_token / host_link_bw
     step time = max(compute_s, swap_s)          (0 for an empty output: nothing is launched)
 
 Why max and not a sum for swaps: the runner issues swap copies on their own CUDA stream with a
@@ -129,7 +130,8 @@ class SimRunner:
         flops = num_tokens * self._linear_flops + causal_pairs * self._pair_flops
         memory_s = hbm_bytes / self._mem_rate
         math_s = flops / self._math_rate
-        num_swap_blocks = len(out.swap_in) + len(out.swap_out)
+        num_swap_blocks = len(out.swap_in) + len(out.swap_out) + len(out.kv_store)
+        num_swap_blocks += len(out.kv_load)
         swap_s = num_swap_blocks * self._swap_block_bytes / self.gpu.host_link_bandwidth
         if out.is_empty:
             total_s = 0.0

@@ -16,6 +16,10 @@ free again; a tenant holds its in-use and cached blocks. With reserves set, an a
 takes, in LRU order, plain free blocks and cached ones of tenants holding more than their
 reserve first, and only then the cached blocks of tenants within theirs (the scheduler keeps
 other tenants' preemption off a tenant within its reserve).
+
+The host tier (kv/manager.py) is a second pool of this class: with `evicted` set to a list,
+the device pool records each cached block it hands out for other tokens there, so its K/V can
+be kept in host memory under the same hash before anything overwrites it.
 """
 
 from __future__ import annotations
@@ -191,6 +195,10 @@ class BlockPool:
         self.version = 0
         self.reserves: dict[str, int] = {}  # tenant -> blocks kept for it (KV shares)
         self.held: dict[str, int] = {}  # tenant -> blocks it owns, in use or cached
+        self.num_evicted = 0  # cached blocks handed out for other tokens, ever
+        # None, or where `allocate` appends (block id, hash, packed tokens, owner) of each
+        # cached block it evicts, its K/V still intact (the host tier drains it)
+        self.evicted: list[tuple[int, bytes, bytes, str | None]] | None = None
 
     def set_reserves(self, reserves: dict[str, int]) -> None:
         """Blocks to keep for each tenant: its cached blocks are evicted last while it holds
@@ -213,13 +221,35 @@ class BlockPool:
         if n > self.free_queue.num_free:
             raise ValueError(f"cannot allocate {n} blocks: only {self.free_queue.num_free} free")
         out = self._take_reserved(n) if self.reserves else self.free_queue.popleft_n(n)
-        cached, held = self.cached, self.held
+        return self._claim(out, owner)
+
+    def allocate_within_share(self, owner: str | None) -> KVBlock | None:
+        """One block for `owner` that no tenant within its reserve loses: in LRU order a plain
+        free block, a cached one of `owner` or of a tenant holding more than its reserve;
+        None if there is none (the host tier's rule: a tenant's histories never flush another
+        tenant's share; a store that finds no block is dropped)."""
+        if not self.reserves:
+            return self.allocate(1, owner)[0] if self.free_queue.num_free else None
+        reserves, held = self.reserves, self.held
+        for block in self.free_queue:
+            other = block.owner
+            if other is None or other == owner or held.get(other, 0) > reserves.get(other, 0):
+                self.free_queue.remove(block)
+                return self._claim([block], owner)[0]
+        return None
+
+    def _claim(self, out: list[KVBlock], owner: str | None) -> list[KVBlock]:
+        """Blocks just taken off the free list, allocated to `owner` (see `allocate`)."""
+        cached, held, evicted = self.cached, self.held, self.evicted
         for block in out:
             block_hash = block.block_hash
             if block_hash is not None:  # a cached block, reused for other tokens: forget it
                 del cached[block_hash]  # (a block carries a hash only while indexed under it)
+                if evicted is not None:
+                    evicted.append((block.block_id, block_hash, block.token_bytes, block.owner))
                 block.block_hash = block.token_bytes = None
                 self.version += 1
+                self.num_evicted += 1
             if block.owner is not None:
                 held[block.owner] -= 1
             block.owner = owner

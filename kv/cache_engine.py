@@ -11,11 +11,18 @@ compute stream waits for a swap-in before it reads the blocks, and for a swap-ou
 before it overwrites the freed blocks; the device-to-host half of a swap-out finishes in the
 background and is settled before anything reads the CPU blocks. On CPU the copies are plain
 index operations.
+
+The host tier's copies are the same two copies: `store` (device -> host) as a swap-out, and
+`load` (host -> device) as a swap-in whose wait the compute stream makes only at the next step
+(`wait_loads`): the loading request computes from then on, so the step in between overlaps
+the load. Host memory is pinned where it can be; if pinning fails it is pageable (copies then
+synchronous), with a warning.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -51,6 +58,22 @@ class KVLayout:
 
 def num_blocks_for_budget(layout: KVLayout, budget_bytes: int) -> int:
     return max(int(budget_bytes // layout.bytes_per_block), 0)
+
+
+def host_tensor(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """Zeroed host memory, pinned if `pin` and the system lets it be pinned; else pageable,
+    with a warning (device copies from and to it then make the host wait)."""
+    if pin:
+        try:
+            return torch.zeros(shape, dtype=dtype, pin_memory=True)
+        except RuntimeError as e:
+            size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            warnings.warn(
+                f"host KV memory ({size / 2**30:.2f} GiB) could not be pinned ({e}); using "
+                "pageable memory: swap and host-tier copies will not overlap compute",
+                stacklevel=2,
+            )
+    return torch.zeros(shape, dtype=dtype)
 
 
 class PinnedPool:
@@ -113,8 +136,8 @@ class CacheEngine:
             layout.shape(num_gpu_blocks + int(pad_block)), dtype=layout.dtype, device=device
         )
         # Pinned host memory makes device<->host copies truly asynchronous; pinning needs CUDA.
-        self.cpu_cache = torch.zeros(
-            layout.shape(max(num_cpu_blocks, 0)), dtype=layout.dtype, pin_memory=self.is_cuda
+        self.cpu_cache = host_tensor(
+            layout.shape(max(num_cpu_blocks, 0)), layout.dtype, pin=self.is_cuda
         )
         self.swap_stream = torch.cuda.Stream(self.device) if self.is_cuda else None
         # Pinned staging buffers for the swaps: a swap-in gathers its CPU blocks straight into
@@ -123,7 +146,9 @@ class CacheEngine:
         # Swap-outs whose device-to-host copy may still be in flight:
         # (done event, cpu block ids, pinned host buffer, device buffer kept alive until done)
         self._pending_out: list[tuple[torch.cuda.Event, torch.Tensor, torch.Tensor, object]] = []
+        self._loads: list[torch.cuda.Event] = []  # host-tier loads the next step waits for
         self.bytes_swapped = {"in": 0, "out": 0}
+        self.bytes_host_tier = {"store": 0, "load": 0}
 
     def layer_caches(self) -> list[torch.Tensor]:
         """Per layer `[2, num_gpu_blocks, ...]` views (block inner order: see KVLayout)."""
@@ -156,12 +181,30 @@ class CacheEngine:
 
     def swap_in(self, mapping: list[tuple[int, int]]) -> None:
         """Copy (cpu block, gpu block) pairs host -> device before the next forward reads them."""
+        self.bytes_swapped["in"] += len(mapping) * self.layout.bytes_per_block
+        self._to_device(mapping, wait_now=True)
+
+    def load(self, mapping: list[tuple[int, int]]) -> None:
+        """Copy host-tier (cpu block, gpu block) pairs host -> device; the compute stream waits
+        for them at the next step (`wait_loads`), the first that reads the blocks."""
+        self.bytes_host_tier["load"] += len(mapping) * self.layout.bytes_per_block
+        self._to_device(mapping, wait_now=False)
+
+    def wait_loads(self) -> None:
+        """Make the compute stream wait for the loads issued by the last step."""
+        if self._loads:
+            compute = torch.cuda.current_stream(self.device)
+            for done in self._loads:
+                compute.wait_event(done)
+            self._loads.clear()
+
+    def _to_device(self, mapping: list[tuple[int, int]], wait_now: bool) -> None:
         if not mapping:
             return
-        self.settle()  # the CPU blocks may be the target of a swap-out still in flight
-        cpu_idx = torch.tensor([c for c, _ in mapping], dtype=torch.long)
+        cpu_ids = [c for c, _ in mapping]
+        self._settle_for(cpu_ids)  # the CPU blocks may be the target of a copy still in flight
+        cpu_idx = torch.tensor(cpu_ids, dtype=torch.long)
         gpu_idx = self._device_index([g for _, g in mapping])
-        self.bytes_swapped["in"] += len(mapping) * self.layout.bytes_per_block
         if not self.is_cuda:
             self.gpu_cache.index_copy_(2, gpu_idx, self.cpu_cache.index_select(2, cpu_idx))
             return
@@ -177,19 +220,31 @@ class CacheEngine:
             self.gpu_cache.index_copy_(2, gpu_idx, dev)
             done = torch.cuda.Event()
             done.record(self.swap_stream)
-        # The step reads these blocks: it waits for exactly this copy. `dev` was allocated on the
-        # swap stream (not reused before the copy is done); the host buffer goes back to the
-        # pool, reusable once `done` has completed.
-        compute.wait_event(done)
+        # The step that reads these blocks waits for exactly this copy. `dev` was allocated on
+        # the swap stream (not reused before the copy is done); the host buffer goes back to
+        # the pool, reusable once `done` has completed.
+        if wait_now:
+            compute.wait_event(done)
+        else:
+            self._loads.append(done)
         self.host_buffers.give(buf, done)
 
     def swap_out(self, mapping: list[tuple[int, int]]) -> None:
         """Copy (gpu block, cpu block) pairs device -> host before the freed blocks are reused."""
+        self.bytes_swapped["out"] += len(mapping) * self.layout.bytes_per_block
+        self._to_host(mapping)
+
+    def store(self, mapping: list[tuple[int, int]]) -> None:
+        """Copy evicted prefix blocks (gpu block, cpu block) device -> host (the host tier),
+        before anything overwrites them; the host does not wait for the copy."""
+        self.bytes_host_tier["store"] += len(mapping) * self.layout.bytes_per_block
+        self._to_host(mapping)
+
+    def _to_host(self, mapping: list[tuple[int, int]]) -> None:
         if not mapping:
             return
         gpu_idx = self._device_index([g for g, _ in mapping])
         cpu_idx = torch.tensor([c for _, c in mapping], dtype=torch.long)
-        self.bytes_swapped["out"] += len(mapping) * self.layout.bytes_per_block
         if not self.is_cuda:
             self.cpu_cache.index_copy_(2, cpu_idx, self.gpu_cache.index_select(2, gpu_idx))
             return
@@ -210,11 +265,24 @@ class CacheEngine:
 
     def settle(self) -> None:
         """Finish in-flight swap-outs: wait for their copies, then place them in the CPU pool."""
-        for done, cpu_idx, host, (_dev, buf) in self._pending_out:
+        self._settle(len(self._pending_out))
+
+    def _settle_for(self, cpu_ids: list[int]) -> None:
+        """Settle the in-flight copies to host up to the last that writes one of `cpu_ids`
+        (in order: a later copy to the same block must land last)."""
+        want = set(cpu_ids)
+        last = 0
+        for i, (_, cpu_idx, *_) in enumerate(self._pending_out):
+            if not want.isdisjoint(cpu_idx.tolist()):
+                last = i + 1
+        self._settle(last)
+
+    def _settle(self, n: int) -> None:
+        for done, cpu_idx, host, (_dev, buf) in self._pending_out[:n]:
             done.synchronize()
             self.cpu_cache.index_copy_(2, cpu_idx, host)
             self.host_buffers.give(buf)
-        self._pending_out.clear()
+        del self._pending_out[:n]
 
     def poll(self) -> None:
         """Settle swap-outs that already finished, without waiting (called once per step)."""

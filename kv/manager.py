@@ -3,8 +3,21 @@
 The scheduler only ever asks: which prefix is already computed (`get_computed_blocks`), can this
 request get slots for n more tokens (`allocate_slots` -> block ids | None, None meaning "preempt
 someone and retry"), and give everything back (`free`); `fork` starts a sibling sample of a
-prompt on its parent's blocks. Swap-space accounting (a second pool of CPU blocks) sits here
-too, so one object knows where every request's K/V lives.
+prompt on its parent's blocks. Host memory (a second pool of CPU blocks) sits here too, so one
+object knows where every request's K/V lives.
+
+Host memory holds two things in one pool. Swap: a preempted request's blocks, in use (ref count
+> 0), private to it, never evicted. With `host_tier`, the prefix cache's second tier: each
+full block the device pool evicts is kept here under the same salted hash (`take_stores`: one
+copy per block, none for a hash the tier holds already) and a prefix lookup continues into it
+(`get_host_blocks`; `load` copies the hits back to fresh device blocks). Tier blocks are cached
+blocks of this pool (ref count 0, on its free list), so a swap-out evicts them, least recently
+used first, before it could fail: swap never loses a block to the tier, and the tier only ever
+loses cached copies (a later hit recomputes). Tenants' KV shares are the device pool's, in
+host blocks: a store takes a free block, or the LRU cached one of its own tenant or of a
+tenant over its share, never another tenant's within its share. Host blocks that a step's
+copies read (swap-in sources, loaded tier blocks) stay held until the next step
+(`release_reads`), so no copy of the same step writes them.
 
 Pure Python: no torch. Requests are duck-typed: `.request_id`, `.all_token_ids`,
 `.num_computed_tokens`, `.cache_salt`.
@@ -30,13 +43,20 @@ class KVCacheManager:
         block_size: int,
         num_cpu_blocks: int = 0,
         enable_prefix_caching: bool = True,
+        host_tier: bool = False,
     ) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.gpu_pool = BlockPool(num_gpu_blocks, block_size, enable_prefix_caching)
-        # Swap space never shares blocks: one request's swapped K/V is private to it.
-        self.cpu_pool = BlockPool(max(num_cpu_blocks, 1), block_size, enable_caching=False)
+        # Swapped blocks are never registered: one request's swapped K/V is private to it.
+        self.host_tier = host_tier and enable_prefix_caching and num_cpu_blocks > 0
+        self.cpu_pool = BlockPool(max(num_cpu_blocks, 1), block_size, self.host_tier)
         self.num_cpu_blocks = num_cpu_blocks
+        if self.host_tier:
+            self.gpu_pool.evicted = []
+        self._host_reads: list[KVBlock] = []  # host blocks this step's copies read (held)
+        self.num_stored_blocks = 0  # device blocks kept in the host tier (copies issued)
+        self.num_loaded_blocks = 0  # host-tier blocks loaded back to the device
         self.req_blocks: dict[str, list[KVBlock]] = {}  # request id -> its GPU blocks, in order
         # the same as ids: the live block table. It only grows in place; a table rebuilt
         # (new, swapped in) is a new list (the runner keeps array copies by list: IntRows)
@@ -62,8 +82,9 @@ class KVCacheManager:
                 raise ValueError(f"kv_share of {tenant!r} must be in (0, 1], got {share!r}")
         if sum(shares.values()) > 1 + 1e-9:
             raise ValueError(f"kv_share values sum to {sum(shares.values()):g} > 1")
-        n = self.gpu_pool.num_blocks
-        self.gpu_pool.set_reserves({t: int(share * n) for t, share in shares.items()})
+        for pool in (self.gpu_pool, self.cpu_pool) if self.host_tier else (self.gpu_pool,):
+            n = pool.num_blocks
+            pool.set_reserves({t: int(share * n) for t, share in shares.items()})
 
     def reserve(self, tenant: str) -> int:
         """GPU blocks kept for `tenant` (0 without a share)."""
@@ -328,10 +349,85 @@ class KVCacheManager:
         self.req_blocks[rid] = gpu_blocks
         self.req_block_ids[rid] = [b.block_id for b in gpu_blocks]
         self.num_cached[rid] = 0
-        self.cpu_pool.free(cpu_blocks)
+        self._read(cpu_blocks)
         if self.enable_prefix_caching:
             self._cache_full_blocks(request, request.num_computed_tokens // self.block_size)
         return [(c.block_id, g.block_id) for c, g in zip(cpu_blocks, gpu_blocks)]
+
+    # ---- the host tier: prefix blocks the device evicted, kept in host memory ----------------
+
+    def get_host_blocks(self, request, num_device_hits: int) -> list[KVBlock]:
+        """Host-tier blocks continuing the prefix that `get_computed_blocks` found on the device
+        (`num_device_hits` blocks), by the same salted hashes and token check; as there, at
+        least one token is left to compute. Changes nothing: `load` takes them."""
+        if not self.host_tier or request.request_id in self.req_blocks:
+            return []
+        hashes, packed = self._chain(request.request_id)
+        tokens, bs, pool = request.all_token_ids, self.block_size, self.cpu_pool
+        hits: list[KVBlock] = []
+        for i in range(num_device_hits, (len(tokens) - 1) // bs):
+            if i == len(hashes):
+                pool.extend_chain(tokens, hashes, packed, i + 1, request.cache_salt)
+            block = pool.lookup_packed(hashes[i], packed[i])
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def load(self, host_blocks: list[KVBlock], gpu_ids: list[int]) -> list[tuple[int, int]]:
+        """(host block, device block) copies loading tier hits into a request's device blocks
+        (the first ones `allocate_slots` gave it after its device hits). The host blocks are
+        held until the copies are issued (`release_reads`); they stay in the tier after."""
+        self.cpu_pool.touch(host_blocks)
+        self._host_reads.extend(host_blocks)
+        self.num_loaded_blocks += len(host_blocks)
+        return [(h.block_id, g) for h, g in zip(host_blocks, gpu_ids)]
+
+    def take_stores(self) -> list[tuple[int, int]]:
+        """(device block, host block) copies keeping the blocks the device pool evicted since
+        the last call in the host tier, under the same hash and owner: to issue before anything
+        writes those device blocks (the runner issues them first). A hash the tier holds is
+        not written again, only made most recently used; a block that finds no host block
+        (swap holds them all) is dropped, as without the tier."""
+        evicted = self.gpu_pool.evicted
+        if not evicted:
+            return []
+        pool, stores = self.cpu_pool, []
+        for gpu_id, block_hash, token_bytes, owner in evicted:
+            known = pool.cached.get(block_hash)
+            if known is not None:
+                if not known.ref_cnt:
+                    pool.touch([known])
+                    pool.free([known])  # (to the free list's tail: evicted last)
+                continue
+            block = pool.allocate_within_share(owner)
+            if block is None:
+                continue
+            pool.register([block], [block_hash], [token_bytes], 0, 1)
+            pool.free([block])
+            stores.append((gpu_id, block.block_id))
+        evicted.clear()
+        self.num_stored_blocks += len(stores)
+        return stores
+
+    def _read(self, host_blocks: list[KVBlock]) -> None:
+        """Host blocks a swap-in reads, released: with the tier they are held until the next
+        step (a tier store of this step could take them otherwise), without it at once."""
+        if self.host_tier:
+            self._host_reads.extend(host_blocks)  # (with their swap reference, freed then)
+        else:
+            self.cpu_pool.free(host_blocks)
+
+    def release_reads(self) -> None:
+        """The copies of the last step were issued: the host blocks they read are free again
+        (tier blocks stay cached). Called at the start of each step."""
+        if self._host_reads:
+            self.cpu_pool.free(self._host_reads)
+            self._host_reads = []
+
+    def host_cached_hashes(self) -> list[bytes]:
+        """Hashes of the blocks the host tier can serve (reported for prefix affinity)."""
+        return list(self.cpu_pool.cached) if self.host_tier else []
 
     # ---- migration: swap space filled from / handed to another replica -----------------------
 
@@ -368,12 +464,18 @@ class KVCacheManager:
         assert self.req_packed.keys() == self.req_hashes.keys(), "hash and token chains differ"
         for rid, hashes in self.req_hashes.items():
             assert len(self.req_packed[rid]) == len(hashes), f"{rid}: tokens packed != hashed"
-        num_swapped = sum(len(v) for v in self.swapped.values())
-        assert num_swapped == self.cpu_pool.num_used_blocks, "swap blocks leaked"
+        host_refs: dict[int, int] = {}
+        for blocks in [*self.swapped.values(), self._host_reads]:
+            for b in blocks:
+                host_refs[b.block_id] = host_refs.get(b.block_id, 0) + 1
+        for b in self.cpu_pool.blocks:
+            assert b.ref_cnt == host_refs.get(b.block_id, 0), f"host {b}: swap blocks leaked"
+        for blocks in self.swapped.values():
+            assert all(b.block_hash is None for b in blocks), "a swapped block is shareable"
 
     def all_free(self) -> bool:
         """True when no request holds any block (cached blocks count as free)."""
         return (
             self.gpu_pool.num_free_blocks == self.gpu_pool.num_blocks
-            and self.cpu_pool.num_free_blocks == self.cpu_pool.num_blocks
+            and self.cpu_pool.num_used_blocks == len({b.block_id for b in self._host_reads})
         )

@@ -11,10 +11,15 @@ from fairbatch.scheduler.request import Request
 class SchedulerOutput:
     """Everything the runner needs to execute one step.
 
-    The runner issues `copy_blocks` (GPU block to GPU block: a forked sibling's copy of its
-    parent's partial block, see `KVCacheManager.fork`), then `swap_in` copies, then `swap_out`
-    copies, then the forward. Copies go first because a copy's source may have been freed and
-    be a swap-in's target in the same step, and a copy's target may be swapped out in it. For each
+    The runner issues `kv_store` (device blocks the prefix cache evicted, kept in the host tier:
+    their device blocks are written by everything after), `copy_blocks` (GPU block to GPU block:
+    a forked sibling's copy of its parent's partial block, see `KVCacheManager.fork`), then
+    `swap_in` copies, then `swap_out` copies, then `kv_load` (host-tier hits into blocks a
+    swap-out of this step may have freed), then the forward, which does not read the loaded
+    blocks (their requests compute from the next step). Copies go first because a copy's source
+    may have been freed and be a swap-in's target in the same step, and a copy's target may be
+    swapped out in it. No host block is both read and written in one step (the KV manager holds
+    the ones read until the next). For each
     scheduled request it computes `num_scheduled_tokens[id]` tokens starting at position
     `request.num_computed_tokens`, and samples one token iff the chunk reaches the end of the
     request's known tokens (num_computed_tokens + n == num_tokens).
@@ -30,6 +35,9 @@ class SchedulerOutput:
     copy_blocks: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) GPU blocks
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, gpu) block copies
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu, cpu) block copies
+    kv_store: list[tuple[int, int]] = field(default_factory=list)  # (gpu, cpu): to the host tier
+    kv_load: list[tuple[int, int]] = field(default_factory=list)  # (cpu, gpu): host tier hits
+    loading: list[str] = field(default_factory=list)  # ids whose kv_load runs: not scheduled
     preempted_swap: list[str] = field(default_factory=list)  # ids swapped out this step
     preempted_recompute: list[str] = field(default_factory=list)  # ids dropped for recompute
     finished_ids: set[str] = field(default_factory=set)  # ids finished/aborted since last step
@@ -39,7 +47,14 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not (self.scheduled or self.copy_blocks or self.swap_in or self.swap_out)
+        return not (
+            self.scheduled
+            or self.copy_blocks
+            or self.swap_in
+            or self.swap_out
+            or self.kv_store
+            or self.kv_load
+        )
 
 
 @dataclass

@@ -15,6 +15,12 @@ Step 1 before 2 and 3 means a running request is never starved by admissions; st
 after a preemption keeps a step from freeing blocks and handing them straight back (thrash) and
 keeps a freed GPU block from being both a swap-out source and a swap-in target in one step.
 
+Host tier (kv/manager.py): a waiting request's prefix lookup continues from the device into
+host memory. Its host hits are loaded into its new blocks this step (`kv_load`, on the copy
+stream) and it computes from the next step on, so the load overlaps the others' forward; it is
+no preemption victim in the step that loads it. Blocks the device evicted during the step are
+kept in the host tier by the `kv_store` copies, which the runner issues first.
+
 Parallel sampling (n > 1 samples of one prompt): see `forks.py`. LoRA adapters (a request
 waits until its adapter has a slot, and pins it while running; who may overtake it and why it
 cannot starve): see `loras.py`; the adapters of one tenant share its service fairly, by flow
@@ -26,6 +32,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Iterable
 
+from fairbatch.kv.block_pool import KVBlock
 from fairbatch.kv.manager import KVCacheManager
 from fairbatch.policies import Policy
 from fairbatch.scheduler.charges import StepCharges
@@ -72,6 +79,7 @@ class Scheduler:
         self.num_preemptions = {"swap": 0, "recompute": 0}
         self.num_swapped_blocks = {"out": 0, "in": 0}
         self.num_prefix_hit_tokens = 0  # prompt tokens served from the prefix cache
+        self.num_host_hit_tokens = 0  # ... of which loaded from the host tier
         self.forks = Forks(kv_manager, config.max_num_seqs)
         self.deadlines = Deadlines()
         self.num_timed_out = {"queue": 0, "running": 0}
@@ -199,6 +207,7 @@ class Scheduler:
     # ---- the step ---------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        self.kv.release_reads()  # the last step's copies were issued
         out = SchedulerOutput(block_tables=self.kv.req_block_ids)
         out.copy_blocks = self.forks.take_copies()
         if self.deadlines.due(self.clock()):
@@ -211,6 +220,7 @@ class Scheduler:
                 self._seat_limit -= len(self.kept_seats)
             budget = self._schedule_swapped(out, budget)
             self._schedule_waiting(out, budget)
+        out.kv_store = self.kv.take_stores()
         out.finished_ids, self._finished_ids = self._finished_ids, set()
         return out
 
@@ -280,9 +290,7 @@ class Scheduler:
             start = self._plan_start(request, budget)
             if start is None or start[1] is None:
                 break  # its seat stays kept until it fits
-            n, new_ids, num_cached_tokens = start
-            self._admit(request, out, n, new_ids, num_cached_tokens)
-            budget -= n
+            budget -= self._admit(request, out, *start)
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
@@ -314,47 +322,66 @@ class Scheduler:
             start = self._plan_start(request, budget)
             if start is None:
                 return
-            n, new_ids, num_cached_tokens = start
-            if new_ids is None:
+            if start[1] is None:
                 if not self._preempt_lower(request, out):
                     return  # head-of-line waits: later requests never jump the policy's order
                 budget = self.config.max_num_batched_tokens - out.total_num_scheduled_tokens
                 continue
-            self._admit(request, out, n, new_ids, num_cached_tokens)
-            budget -= n
+            budget -= self._admit(request, out, *start)
             request = None
 
     def _plan_start(
         self, request: Request, budget: int
-    ) -> tuple[int, list[int] | None, int] | None:
+    ) -> tuple[int, list[int] | None, int, list[KVBlock]] | None:
         """(tokens to compute, new block ids or None when blocks run short, prompt tokens found
-        in the prefix cache) to start the waiting `request` within `budget`; None when the rest
-        of its prompt exceeds the budget and chunked prefill is off."""
+        in the device prefix cache, host-tier blocks to load after them) to start the waiting
+        `request` within `budget`; None when the rest of its prompt exceeds the budget and
+        chunked prefill is off. The new blocks cover the loaded ones first."""
         if request.prompt_logprobs is not None and request.prompt_logprobs.num_missing:
             # Its prompt's log-probs need every position's logits, which cached blocks
             # never produced: compute the whole prompt (as vLLM does), once.
-            computed, num_cached_tokens = [], 0
+            computed, num_cached_tokens, host = [], 0, []
         else:
             computed, num_cached_tokens = self.kv.get_computed_blocks(request)
+            host = self.kv.get_host_blocks(request, len(computed))
+        num_loaded = len(host) * self.kv.block_size
         remaining = request.num_tokens - request.num_computed_tokens - num_cached_tokens
+        remaining -= num_loaded
         n = min(remaining, budget)
         if n < remaining and not self.config.enable_chunked_prefill:
             return None
-        return n, self.kv.allocate_slots(request, n, computed), num_cached_tokens
+        new_ids = self.kv.allocate_slots(request, num_loaded + n, computed)
+        return n, new_ids, num_cached_tokens, host
 
     def _admit(
-        self, request: Request, out: SchedulerOutput, n: int, new_ids, num_cached_tokens: int
-    ) -> None:
-        """A waiting request starts with `n` tokens on `new_ids` (and its cached prefix)."""
+        self,
+        request: Request,
+        out: SchedulerOutput,
+        n: int,
+        new_ids: list[int],
+        num_cached_tokens: int,
+        host: list[KVBlock],
+    ) -> int:
+        """A waiting request starts with `n` tokens on `new_ids` (and its cached prefix), or,
+        with host-tier hits, loads them this step and computes from the next. Returns the
+        tokens it computes this step."""
         # remove, not pop: a victim requeued ahead of it must not take its place
         self.policy.remove(request, served=True)
-        request.num_computed_tokens += num_cached_tokens
-        self.num_prefix_hit_tokens += num_cached_tokens
+        num_loaded = len(host) * self.kv.block_size
+        request.num_computed_tokens += num_cached_tokens + num_loaded
+        self.num_prefix_hit_tokens += num_cached_tokens + num_loaded
+        self.num_host_hit_tokens += num_loaded
         if request.num_cached_tokens is None:
-            request.num_cached_tokens = num_cached_tokens
+            request.num_cached_tokens = num_cached_tokens + num_loaded
         self._start_running(request)
-        self._add_scheduled(out, request, n, new_ids)
         self.kept_seats.release(request.request_id)
+        if host:
+            out.kv_load.extend(self.kv.load(host, new_ids))
+            out.loading.append(request.request_id)
+            out.new_block_ids[request.request_id] = new_ids
+            return 0
+        self._add_scheduled(out, request, n, new_ids)
+        return n
 
     def _first_startable(self) -> Request | None:
         """The first waiting request in policy order whose adapter may start now (see
@@ -392,7 +419,9 @@ class Scheduler:
             return False
         if not any(r.priority < request.priority for r in self.running):
             return False
-        candidates = takeable(self.kv, self.running, self.running, request)
+        # (not one loading this step: its loads' targets would be given back or swapped out)
+        running = [r for r in self.running if r.request_id not in out.loading]
+        candidates = takeable(self.kv, self.running, running, request)
         victim = self.policy.pick_victim(candidates, below_priority=request.priority)
         if victim is None:
             return False
@@ -500,8 +529,10 @@ class Scheduler:
                 f"no CPU swap space for {request_id!r}: it holds {num_blocks} blocks, "
                 f"{self.kv.cpu_pool.num_free_blocks if self.kv.num_cpu_blocks else 0} are free"
             )
+        self.kv.release_reads()
         out = SchedulerOutput(copy_blocks=self.forks.take_copies())  # a fork's copies first
         self._preempt(request, out, None if mode == "auto" else mode)
+        out.kv_store = self.kv.take_stores()  # (a fork's copy target may be an evicted block)
         if seat_for is not None:
             self.kept_seats.keep(seat_for, self.clock())
         return out

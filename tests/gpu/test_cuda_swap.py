@@ -30,6 +30,29 @@ def test_swap_round_trip_on_cuda(dtype):
     assert data.shape == (3, 2, 2, 16, 4, 64)
 
 
+@cuda
+def test_host_tier_store_and_load_on_cuda():
+    """A store's copy lands before a load reads the block; a load is waited for by the next
+    step's compute stream (`wait_loads`), not the step that issued it."""
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float16)
+    ce = CacheEngine(layout, 16, 8, "cuda")
+    ce.gpu_cache.normal_()
+    before = ce.gpu_cache.clone()
+    ce.store([(4, 0), (9, 1)])
+    ce.gpu_cache[:, :, [4, 9]] = 0  # the evicted blocks reused by the step's forward
+    ce.load([(1, 2), (0, 3)])  # a later step's hit on the stored blocks
+    ce.wait_loads()
+    ce.gpu_cache[:, :, 5] = ce.gpu_cache[:, :, 2] + 1  # the next step reads a loaded block
+    torch.cuda.synchronize()
+    assert torch.equal(ce.gpu_cache[:, :, 2], before[:, :, 9])
+    assert torch.equal(ce.gpu_cache[:, :, 3], before[:, :, 4])
+    assert torch.equal(ce.gpu_cache[:, :, 5], before[:, :, 9] + 1)
+    assert ce.bytes_host_tier == {
+        "store": 2 * layout.bytes_per_block,
+        "load": 2 * layout.bytes_per_block,
+    }
+
+
 # Greedy outputs under preemption are compared with an unpreempted run by their logprobs, not
 # bit for bit: a preempted run computes the same sequences in other batch compositions, and
 # neither cuBLAS nor flash attention promises the same bf16 rounding across batch shapes (the
