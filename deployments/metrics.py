@@ -20,6 +20,9 @@ prompt or completion text.
 | ray_fairbatch_kv_usage_ratio | gauge | replica | replica |
 | ray_fairbatch_preemptions_total | counter | replica, mode | replica |
 | ray_fairbatch_swapped_bytes_total | counter | replica, direction | replica |
+| ray_fairbatch_host_tier_cached_blocks | gauge | replica | replica |
+| ray_fairbatch_host_tier_hit_tokens_total | counter | replica | replica |
+| ray_fairbatch_host_tier_block_events_total | counter | replica, event | replica |
 | ray_fairbatch_migrations_total | counter | - | controller |
 | ray_fairbatch_tenant_virtual_counter | gauge | tenant | controller |
 | ray_fairbatch_tenant_service_tokens | gauge | tenant | controller |
@@ -51,6 +54,9 @@ class Metrics:
     kv_usage: Any
     preemptions: Any
     swapped_bytes: Any
+    host_tier_blocks: Any
+    host_tier_hits: Any
+    host_tier_events: Any
     migrations: Any
     tenant_counter: Any
     tenant_service: Any
@@ -142,6 +148,21 @@ def _make() -> Metrics:
             description="KV bytes copied between device and CPU memory.",
             tag_keys=("replica", "direction"),
         ),
+        host_tier_blocks=Gauge(
+            "fairbatch_host_tier_cached_blocks",
+            description="Prefix blocks held in the replica's host-memory tier.",
+            tag_keys=("replica",),
+        ),
+        host_tier_hits=Counter(
+            "fairbatch_host_tier_hit_tokens_total",
+            description="Prompt tokens loaded from the host tier instead of computed.",
+            tag_keys=("replica",),
+        ),
+        host_tier_events=Counter(
+            "fairbatch_host_tier_block_events_total",
+            description="Host-tier blocks stored (evicted from the device), loaded, evicted.",
+            tag_keys=("replica", "event"),
+        ),
         migrations=Counter(
             "fairbatch_migrations_total", description="Requests moved between replicas."
         ),
@@ -156,6 +177,14 @@ def _make() -> Metrics:
             tag_keys=("tenant",),
         ),
     )
+
+
+def record_host_tier(metrics: Metrics, deltas: Deltas, tier: dict, tags: dict) -> None:
+    """A replica's host-tier numbers (`EngineCore.stats()["host_tier"]`) into its metrics."""
+    metrics.host_tier_blocks.set(tier["cached_blocks"], tags=tags)
+    deltas.inc(metrics.host_tier_hits, tier["hit_tokens"], tags)
+    for event in ("stored", "loaded", "evicted"):
+        deltas.inc(metrics.host_tier_events, tier[f"{event}_blocks"], {**tags, "event": event})
 
 
 class Deltas:

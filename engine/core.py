@@ -301,6 +301,8 @@ class EngineCore:
             if cache is not None
             else {"in": 0, "out": 0},
             "prefix_hit_tokens": s.num_prefix_hit_tokens,
+            # the host tier (kv/manager.py): blocks held, capacity, stored / loaded / evicted
+            "host_tier": {**s.kv.host_tier_stats(), "hit_tokens": s.num_host_hit_tokens},
             "running": len(s.running),
             "waiting": s.num_waiting,
             "swapped": len(s.swapped),

@@ -425,6 +425,17 @@ class KVCacheManager:
             self.cpu_pool.free(self._host_reads)
             self._host_reads = []
 
+    def host_tier_stats(self) -> dict[str, int]:
+        """The tier's occupancy and cumulative block counts (for metrics); zeros without it."""
+        on = self.host_tier
+        return {
+            "cached_blocks": len(self.cpu_pool.cached) if on else 0,
+            "capacity_blocks": self.num_cpu_blocks if on else 0,
+            "stored_blocks": self.num_stored_blocks,
+            "loaded_blocks": self.num_loaded_blocks,
+            "evicted_blocks": self.cpu_pool.num_evicted,
+        }
+
     def host_cached_hashes(self) -> list[bytes]:
         """Hashes of the blocks the host tier can serve (reported for prefix affinity)."""
         return list(self.cpu_pool.cached) if self.host_tier else []

@@ -12,7 +12,10 @@ prefix), summed over replicas, so there is no `replica` label here:
   the backend's optional `stats()`: `fairbatch_queue_depth`, `fairbatch_running_seqs`,
   `fairbatch_swapped_seqs`, `fairbatch_kv_usage_ratio` (mean over replicas),
   `fairbatch_preemptions_total` {mode}, `fairbatch_swapped_bytes_total` {direction},
-  `fairbatch_prefix_hit_tokens_total`, `fairbatch_tenant_service_tokens` {tenant},
+  `fairbatch_prefix_hit_tokens_total`, the host tier's `fairbatch_host_tier_cached_blocks`,
+  `fairbatch_host_tier_capacity_blocks`, `fairbatch_host_tier_hit_tokens_total`,
+  `fairbatch_host_tier_block_events_total` {event = stored | loaded | evicted},
+  `fairbatch_tenant_service_tokens` {tenant},
   `fairbatch_tenant_virtual_counter` {tenant}, and on a cluster `fairbatch_migrations_total`.
 
 `finish_reason` is the engine's ("stop", "length", "timeout", "abort", "error") or
@@ -183,6 +186,31 @@ def engine_families(s: dict):
         "Prompt tokens found in the prefix cache.",
         value=s.get("prefix_hit_tokens", 0),
     )
+    tier = s.get("host_tier")
+    if tier is not None:
+        yield _gauge(
+            "fairbatch_host_tier_cached_blocks",
+            "Prefix blocks held in the host-memory tier.",
+            tier.get("cached_blocks", 0),
+        )
+        yield _gauge(
+            "fairbatch_host_tier_capacity_blocks",
+            "Host-memory KV blocks (the tier and swap share them); 0 without a tier.",
+            tier.get("capacity_blocks", 0),
+        )
+        yield CounterMetricFamily(
+            "fairbatch_host_tier_hit_tokens",
+            "Prompt tokens loaded from the host tier instead of computed.",
+            value=tier.get("hit_tokens", 0),
+        )
+        events = CounterMetricFamily(
+            "fairbatch_host_tier_block_events",
+            "Host-tier blocks stored (evicted from the device), loaded back, evicted.",
+            labels=["event"],
+        )
+        for event in ("stored", "loaded", "evicted"):
+            events.add_metric([event], tier.get(f"{event}_blocks", 0))
+        yield events
     # The cluster's tenant accounting is the controller's; a single engine's is its policy's.
     service = ctl.get("service", s.get("tenant_service", {}))
     counters = ctl.get("counters", s.get("tenant_counters", {}))

@@ -134,6 +134,7 @@ def test_metrics_count_what_was_sent_and_show_the_engine(env):
     assert value(m, "fairbatch_swapped_seqs") == e["swapped"]
     assert value(m, "fairbatch_kv_usage_ratio") == pytest.approx(e["kv_usage"])
     assert value(m, "fairbatch_prefix_hit_tokens_total") == e["prefix_hit_tokens"]
+    assert value(m, "fairbatch_host_tier_hit_tokens_total") == e["host_tier"]["hit_tokens"]
     for mode, n in e["preemptions"].items():
         assert value(m, "fairbatch_preemptions_total", mode=mode) == n
     for direction, n in e["swapped_bytes"].items():

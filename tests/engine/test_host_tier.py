@@ -130,3 +130,24 @@ def _cached_blocks(llm, prompt, lora) -> int:
     host = kv.get_host_blocks(probe, len(device))
     kv.forget(probe)
     return len(device) + len(host)
+
+
+def test_the_tier_reaches_the_metrics(waves):
+    from fairbatch.deployments.api.prometheus import engine_families
+
+    _, llm = run_waves("tiny", waves, num_gpu_blocks=40, **TIER)
+    stats = llm.engine.stats()["host_tier"]
+    kv = llm.engine.scheduler.kv
+    assert stats["hit_tokens"] == llm.engine.scheduler.num_host_hit_tokens > 0
+    assert stats["loaded_blocks"] == kv.num_loaded_blocks == stats["hit_tokens"] // 4
+    assert stats["cached_blocks"] == len(kv.cpu_pool.cached) > 0
+    assert stats["capacity_blocks"] == kv.num_cpu_blocks  # swap space + tier: one pool
+    shown = {}
+    for family in engine_families(llm.engine.stats()):
+        for sample in family.samples:
+            shown[(sample.name, tuple(sample.labels.items()))] = sample.value
+    assert shown[("fairbatch_host_tier_hit_tokens_total", ())] == stats["hit_tokens"]
+    assert shown[("fairbatch_host_tier_cached_blocks", ())] == stats["cached_blocks"]
+    for event in ("stored", "loaded", "evicted"):
+        key = ("fairbatch_host_tier_block_events_total", (("event", event),))
+        assert shown[key] == stats[f"{event}_blocks"]
