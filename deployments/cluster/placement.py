@@ -24,6 +24,11 @@ x max_tokens each). The longest match wins (then the lower load); with no such r
 least loaded one takes it. So locality can neither pile a replica up beyond `load_slack` over
 the others nor let one tenant fill a replica's seats by its hits; which tenant goes next is the
 global policy's order over the cluster-wide counters, whatever the routing.
+
+Prefixes in a replica's host KV tier (kv/manager.py) are hits too: a replica reports them in
+the same list, tagged (`report_hashes`). Every routing counts them as cached; d2lpm ranks a
+match by its device blocks plus `host_hit_weight` (< 1) per host block, since loading a block
+over the host link costs more than finding it on the device and far less than its prefill.
 """
 
 from __future__ import annotations
@@ -38,6 +43,26 @@ from dataclasses import dataclass, field
 from fairbatch.deployments.cluster.tickets import Ticket
 
 AFFINITY_PROBES = 4  # replicas looked at per prompt block when matching prefixes
+HOST_TAG = b"H"  # before a reported hash: the block is in the replica's host tier
+
+
+def report_hashes(device: Iterable[bytes], host: Iterable[bytes]) -> list[bytes]:
+    """A replica's cached prefixes as it reports them: its device block hashes as they are,
+    its host-tier ones tagged (a block in both is a device hit)."""
+    device = list(device)
+    on_device = set(device)
+    return device + [HOST_TAG + h for h in host if h not in on_device]
+
+
+def split_hashes(hashes: Iterable[bytes]) -> tuple[set[bytes], set[bytes]]:
+    """`report_hashes`' (device, host) sets. Untagged hashes are 16 bytes: a tagged one, 17."""
+    device, host = set(), set()
+    for h in hashes:
+        if len(h) == 17 and h[:1] == HOST_TAG:
+            host.add(h[1:])
+        else:
+            device.add(h)
+    return device, host - device
 
 
 class ReplicaState:
@@ -53,6 +78,7 @@ class ReplicaState:
         "block_size",
         "service",
         "hashes",
+        "host_hashes",
         "last_seq",
         "version",
         "synced",
@@ -71,7 +97,8 @@ class ReplicaState:
         self.total_blocks = 0
         self.block_size = 16
         self.service: dict[str, tuple[int, int]] = {}  # last cumulative report
-        self.hashes: set[bytes] = set()
+        self.hashes: set[bytes] = set()  # cached prefix blocks, device and host tier
+        self.host_hashes: set[bytes] = set()  # ... of which only in the host tier
         self.last_seq = -1
         self.version = 0  # heap entries with another version are stale
         self.synced = False  # has this controller seen a report from it yet
@@ -102,6 +129,7 @@ class Locality:
     input_weight: float = 1.0
     output_weight: float = 2.0
     weights: dict[str, float] = field(default_factory=dict)  # tenant -> weight (default 1)
+    host_hit_weight: float = 0.8  # a host-tier block's worth in a match, a device block's 1
 
     def cost(self, t: Ticket) -> float:
         meta = t.meta
@@ -176,7 +204,10 @@ class Placement:
                 heapq.heapify(self._heap)
 
     def set_hashes(self, r: ReplicaState, hashes: Iterable[bytes]) -> None:
-        new = set(hashes)
+        """r's cached prefixes, as its report lists them (`report_hashes`)."""
+        device, host = split_hashes(hashes)
+        new = device | host
+        r.host_hashes = host
         index = self.hash_index
         for h in r.hashes - new:
             holders = index.get(h)
@@ -330,7 +361,8 @@ class Placement:
             n = self.match_blocks(r, hashes)
             if n < need:
                 continue
-            key = (-n, r.load, r.index)
+            on_host = sum(1 for h in hashes[:n] if h in r.host_hashes) if r.host_hashes else 0
+            key = (-(n - (1 - loc.host_hit_weight) * on_host), r.load, r.index)
             if best_key is None or key < best_key:
                 best, best_key = r, key
         if best is None:

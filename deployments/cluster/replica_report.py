@@ -13,6 +13,7 @@ from typing import Any
 
 import ray
 
+from fairbatch.deployments.cluster.placement import report_hashes
 from fairbatch.deployments.cluster.wire import ReplicaReport
 
 log = logging.getLogger(__name__)
@@ -77,15 +78,16 @@ class Reports:
         self._changed = False
         self._seq += 1
         cached = kv.gpu_pool.cached
+        num_host = len(kv.cpu_pool.cached)  # the host tier's (0 without one)
         running = {r.request_id for r in s.running}
         # not in the scheduler: ended (its last items on their way) or still being added;
         # reported as started, so that the controller does not move it as a waiting one
         held = s.requests
         num_out = self._num_out
         hashes = None
-        if len(cached) != self._hash_count or self._seq % 25 == 0:
-            self._hash_count = len(cached)
-            hashes = list(cached)[-4096:]
+        if len(cached) + num_host != self._hash_count or self._seq % 25 == 0:
+            self._hash_count = len(cached) + num_host
+            hashes = report_hashes(list(cached)[-4096:], kv.host_cached_hashes()[-4096:])
         return ReplicaReport(
             replica_id=self.replica_id,
             seq=self._seq,
