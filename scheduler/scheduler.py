@@ -212,10 +212,12 @@ class Scheduler:
         out.copy_blocks = self.forks.take_copies()
         if self.deadlines.due(self.clock()):
             self._evict_expired(out)
-        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        budget = self.config.max_num_batched_tokens
+        kept = bool(self.kept_seats) and self.kept_seats.refresh(self.requests, self.clock())
+        budget = self._schedule_running(out, budget, self._kept_reserve(budget) if kept else 0)
         if not out.preempted_swap and not out.preempted_recompute:
             self._seat_limit = self.config.max_num_seqs
-            if self.kept_seats and self.kept_seats.refresh(self.requests, self.clock()):
+            if kept:
                 budget = self._schedule_kept(out, budget)
                 self._seat_limit -= len(self.kept_seats)
             budget = self._schedule_swapped(out, budget)
@@ -232,15 +234,33 @@ class Scheduler:
         if new_ids:
             out.new_block_ids[rid] = new_ids
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _kept_reserve(self, budget: int) -> int:
+        """Tokens of the budget kept for the prompts of the requests seats are kept for: what
+        is left once every running request has its next token. The controller preempted a
+        request so that these start now; behind other requests' prefill chunks they would
+        wait a step or more (a step as long as the budget) for nothing."""
+        need = sum(
+            r.num_tokens - r.num_computed_tokens for r in self.kept_seats.waiting(self.requests)
+        )
+        if not need:
+            return 0
+        decodes = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
+        return min(need, max(0, budget - decodes))
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int, reserve: int = 0) -> int:
         """Each running request in order its next chunk (its tokens not yet computed, within the
-        budget). One that finds no blocks makes room: the policy picks a victim among the
-        requests not yet scheduled, itself included, until it fits or is the victim."""
+        budget; a prefill chunk within the budget less `reserve`). One that finds no blocks
+        makes room: the policy picks a victim among the requests not yet scheduled, itself
+        included, until it fits or is the victim."""
         running = self.running
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            remaining = request.num_tokens - request.num_computed_tokens
+            n = min(remaining, budget if remaining == 1 else budget - reserve)
+            if n <= 0:  # a prefill chunk, and what is left is the kept seats'
+                i += 1
+                continue
             new_ids = self.kv.allocate_slots(request, n)
             while new_ids is None:
                 candidates = takeable(self.kv, running, running[i:], request)

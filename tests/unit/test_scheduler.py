@@ -850,6 +850,40 @@ def test_a_seat_given_away_by_the_controller_is_kept_for_its_request(order):
     assert got["q"] == reference_tokens([4] * 5, 2)
 
 
+def test_a_kept_seats_prompt_goes_before_running_prefill_chunks():
+    """`q` gets `a`'s seat (the controller preempted `a` for it) while `long` is mid-prefill:
+    `q`'s prompt is in this step, `long`'s chunk takes what is left after it and after `d`'s
+    next token, and every output is still the undisturbed one."""
+    sched = make_sched(
+        num_blocks=64, block_size=4, cpu_blocks=16, max_num_seqs=3, max_num_batched_tokens=16
+    )
+    runner = FakeRunner(VOCAB)
+    got: dict[str, list[int]] = {}
+
+    def run() -> dict[str, int]:
+        out, updates = step(sched, runner)
+        for u in updates:
+            got.setdefault(u.request_id, []).extend(u.new_token_ids)
+        sched.check_integrity()
+        return dict(out.num_scheduled_tokens)
+
+    sched.add_request(Request("d", [1] * 4, max_tokens=20))
+    sched.add_request(Request("a", [2] * 4, max_tokens=20))
+    assert run() == {"d": 4, "a": 4}
+    sched.add_request(Request("long", [3] * 40, max_tokens=4))
+    assert run() == {"d": 1, "a": 1, "long": 14}
+    assert sched.preempt("a", "swap", seat_for="q") is not None
+    sched.add_request(Request("q", [4] * 6, max_tokens=3))
+    assert run() == {"d": 1, "long": 9, "q": 6}  # without the reserve: long 15, q waits
+    assert not sched.kept_seats
+    for rid, tokens in run_to_end(sched, runner).items():
+        got.setdefault(rid, []).extend(tokens)
+    assert got["q"] == reference_tokens([4] * 6, 3)
+    assert got["long"] == reference_tokens([3] * 40, 4)
+    assert got["a"] == reference_tokens([2] * 4, 20)
+    assert got["d"] == reference_tokens([1] * 4, 20)
+
+
 def test_a_kept_seat_is_given_back_when_its_request_never_comes():
     now = [0.0]
     kv = KVCacheManager(32, 4, 32)
