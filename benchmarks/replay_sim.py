@@ -29,6 +29,7 @@ from fairbatch.benchmarks import tenant_slo
 from fairbatch.benchmarks.serve_types import RequestResult, RequestSpec
 from fairbatch.benchmarks.sim_cluster import SimCluster, SimReplica, Workload
 from fairbatch.deployments.cluster.fairness import ControllerConfig, FairnessCore
+from fairbatch.deployments.cluster.replica_config import ReplicaConfig
 from fairbatch.deployments.cluster.wire import RequestMeta
 from fairbatch.engine.sampling_params import SamplingParams
 from fairbatch.policies import TenantSpec
@@ -42,8 +43,16 @@ SYSTEMS: dict[str, tuple[dict[str, Any], str]] = {
     "p2c_fcfs": (dict(routing="power_of_two", policy="fcfs"), "fcfs"),
 }
 SEATS = 64  # per replica
+BUDGET = ReplicaConfig.max_num_batched_tokens  # a step's tokens: a served replica's default
 DRAIN_S = 60.0  # virtual seconds after the last arrival before what still runs is cut off
 VOCAB = 32000
+
+
+@dataclasses.dataclass
+class SimRun:
+    results: list[RequestResult]  # one per spec
+    preempted: dict[str, int]  # tenant -> its requests the controller preempted
+    migrations: int  # requests moved between replicas
 
 
 def simulate(
@@ -53,10 +62,10 @@ def simulate(
     num_replicas: int,
     seed: int = 0,
     seats: int = SEATS,
-) -> list[RequestResult]:
-    """Every spec through a simulated cluster of `num_replicas`; one result per spec."""
+) -> SimRun:
+    """Every spec through a simulated cluster of `num_replicas`."""
     ctrl_kw, local_policy = SYSTEMS[system]
-    wl = Workload(max_num_seqs=seats, num_gpu_blocks=8192, seed=seed)
+    wl = Workload(max_num_seqs=seats, max_num_batched_tokens=BUDGET, num_gpu_blocks=8192, seed=seed)
     specs_t = [TenantSpec(t) for t in tenants]
     core = FairnessCore(ControllerConfig(tenants=specs_t, **ctrl_kw), rng=random.Random(seed))
     sim = SimCluster(core, wl)
@@ -105,12 +114,17 @@ def simulate(
     for res in results.values():
         if not res.ok:
             res.end_s, res.error = max(sim.now, res.send_s), "cut off"
-    return list(results.values())
+    return SimRun(list(results.values()), sim.preempted, sim.migrations)
 
 
 def idle_latency(prompt_len: int) -> dict[str, float]:
     """TTFT and TPOT of one request (`prompt_len` tokens, 8 out) alone on a fresh replica."""
-    rep = SimReplica("idle", Workload(max_num_seqs=SEATS, num_gpu_blocks=8192), "fcfs", [])
+    rep = SimReplica(
+        "idle",
+        Workload(max_num_seqs=SEATS, max_num_batched_tokens=BUDGET, num_gpu_blocks=8192),
+        "fcfs",
+        [],
+    )
     rep.core.add_request(
         list(range(4, 4 + prompt_len)), SamplingParams(max_tokens=8, ignore_eos=True)
     )
@@ -142,8 +156,12 @@ def run(
     }
     for n in sizes:
         for system in systems:
-            results = simulate(specs, mix.tenants, system, n)
+            sim = simulate(specs, mix.tenants, system, n)
+            results = sim.results
             rep = tenant_slo.tenant_slos(results, slos, replay.duration_s)
+            for t, x in rep["tenants"].items():
+                x["preempted"] = sim.preempted.get(t, 0)
+            rep["preempted"], rep["migrations"] = sum(sim.preempted.values()), sim.migrations
             served = [r for r in results if r.ok]
             rep["completed"] = len(served)
             rep["cut_off"] = len(results) - len(served)
@@ -158,7 +176,8 @@ def format_table(result: dict, mix: Any) -> str:
 
     heavy = set(mix.heavy)
     runs = result["runs"]
-    head = ["replicas", "system", "SLO %", "goodput req/s", "cut off", "Jain (backlogged)"]
+    head = ["replicas", "system", "SLO %", "goodput req/s", "cut off", "preempted"]
+    head += ["Jain (backlogged)"]
     head += [f"{t} TTFT p99 s" for t in mix.tenants]
     rows = []
     for key, rep in runs.items():
@@ -166,6 +185,7 @@ def format_table(result: dict, mix: Any) -> str:
         row = [n, system, f"{100 * rep['attainment']:.1f}", f"{rep['goodput_rps']:.1f}"]
         row += [
             rep["cut_off"],
+            rep.get("preempted", "-"),
             "-" if rep["jain_backlogged"] is None else f"{rep['jain_backlogged']:.3f}",
         ]
         for t in mix.tenants:

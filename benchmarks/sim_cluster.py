@@ -46,6 +46,7 @@ class Workload:
     # admitted in the start-up burst (before any queue formed) is not counted
     warmup_s: float = 3.0
     max_num_seqs: int = 16
+    max_num_batched_tokens: int = 2048  # a step's token budget (prefill chunks and decodes)
     num_gpu_blocks: int = 2048
     block_size: int = 16
     report_interval_s: float = 0.02
@@ -61,7 +62,7 @@ class SimReplica:
         self.runner = SimRunner(shape, "H100", vocab_size=32000, block_size=wl.block_size)
         cfg = SchedulerConfig(
             max_num_seqs=wl.max_num_seqs,
-            max_num_batched_tokens=2048,
+            max_num_batched_tokens=wl.max_num_batched_tokens,
             kv_bytes_per_token=shape.kv_bytes_per_token,
         )
         kv = KVCacheManager(wl.num_gpu_blocks, wl.block_size, 512)
@@ -120,6 +121,7 @@ class SimCluster:
         self.replicas: dict[str, SimReplica] = {}
         self.now = 0.0
         self.migrations = 0  # requests moved between replicas
+        self.preempted: dict[str, int] = {}  # tenant -> its requests the controller preempted
         self.requeues = 0  # requests a draining replica gave back to the controller's queue
         self._requeued: dict[str, MigratedRequest] = {}  # request id -> itself, until assigned
         self._heap: list[tuple[float, object, str]] = []  # (virtual time, tie-break, replica)
@@ -189,6 +191,8 @@ class SimCluster:
                 assigned.append(a.ticket)
             elif isinstance(a, Preempt):
                 self.replicas[a.replica_id].core.preempt(a.request_id, a.mode, a.seat_for)
+                tenant = self.core.tickets[a.request_id].tenant
+                self.preempted[tenant] = self.preempted.get(tenant, 0) + 1
             elif isinstance(a, Migrate):  # as Replica.migrate_out: swap out if it can, export
                 src, dst = self.replicas[a.src], self.replicas[a.dst]
                 req = src.core.scheduler.requests.get(a.request_id)
