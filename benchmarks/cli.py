@@ -102,6 +102,16 @@ def _bench_cluster(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_conversation(args: argparse.Namespace) -> int:
+    from fairbatch.benchmarks import conversation_bench
+
+    if args.engine == "sim":
+        conversation_bench.main_sim(args)
+    else:
+        conversation_bench.main_model(args)
+    return 0
+
+
 def _bench_serve(args: argparse.Namespace) -> int:
     if args.workload == "noisy-victim":
         from fairbatch.benchmarks import noisy_victim
@@ -607,4 +617,38 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="also measure admissions/s through the controller actor on a local Ray",
     )
     clu.set_defaults(func=_bench_cluster)
+    con = bench_sub.add_parser(
+        "conversation",
+        help="the host KV tier on Mooncake's conversation trace: no tier vs tier",
+        description="Replays sampled conversations of Mooncake's conversation_trace.jsonl "
+        "(benchmarks/conversation_bench.py) without and with the host KV tier.",
+    )
+    con.add_argument("--trace", required=True, help="conversation_trace.jsonl")
+    con.add_argument("--json", help="write the summary to this JSON file")
+    con.add_argument("--engine", choices=["model", "sim"], default="model")
+    con.add_argument(
+        "--every", type=_positive(int), default=64, help="keep one conversation in EVERY"
+    )
+    con.add_argument(
+        "--time-scale", type=_positive(float), default=60.0, help="arrivals compressed by this"
+    )
+    con.add_argument("--model", default="qwen2.5-0.5b", help="model: a checkpoint shape")
+    con.add_argument(
+        "--tokens-per-block", type=_positive(int), default=4, help="model: a 512-token block's"
+    )
+    con.add_argument("--block-size", type=_positive(int), default=4, help="model: KV block")
+    con.add_argument("--max-num-seqs", type=_positive(int), default=16)
+    con.add_argument("--max-num-batched-tokens", type=_positive(int), default=512)
+    con.add_argument(
+        "--gpu-blocks",
+        type=_positive(int),
+        help="device KV blocks (model: default 1/8 of the sample's working set; sim: 8192)",
+    )
+    con.add_argument(
+        "--replicas", type=_positive(int), nargs="+", default=[4], help="sim: cluster sizes"
+    )
+    con.add_argument(
+        "--host-blocks", type=_positive(int), default=32768, help="sim: host-tier blocks"
+    )
+    con.set_defaults(func=_bench_conversation)
     _add_bench_serve(bench_sub)
