@@ -194,8 +194,8 @@ def usage_record(rid: str, tenant: str, num_out: int, now: float) -> tuple[str, 
 
 def ray_admissions(num_replicas: int = 4, sizes: tuple[int, ...] = (1000, 4000)) -> list[dict]:
     """The same controller as a Ray actor: admissions/s through batches (`submit_many` + the
-    `assignments` stream), with sim replicas that have room for every request (no streams are
-    opened: this is the control plane alone)."""
+    `assignments` stream), with sim replicas that have room for every request. The controller
+    submits each to its replica before answering, as for any client; no stream is read."""
     import asyncio
     import os
     import tempfile
@@ -219,15 +219,18 @@ def ray_admissions(num_replicas: int = 4, sizes: tuple[int, ...] = (1000, 4000))
     )
     rows = []
     try:
-        # room for every request of every run (none is ever streamed, so none ends): admission
-        # never waits for a slot
+        # room for every request of every run (each runs its one token for a consumer nobody
+        # reads): admission never waits for a slot
         seats = 2 * sum(sizes) + num_replicas
         cfg = ReplicaConfig("sim", max_num_seqs=seats // num_replicas, num_gpu_blocks=4096)
         cluster = start_cluster("bench", [cfg] * num_replicas)
         params = SamplingParams(max_tokens=1, ignore_eos=True)
 
         async def run(n: int) -> dict:
-            metas = [RequestMeta(f"{n}-{i}", [1] * 16, params, "ab"[i % 2]) for i in range(n)]
+            metas = [
+                RequestMeta(f"{n}-{i}", [1] * 16, params, "ab"[i % 2], consumer=f"bench-{n}")
+                for i in range(n)
+            ]
             lat: list[float] = []
             batcher = AdmissionBatcher(lambda: cluster.controller)
 

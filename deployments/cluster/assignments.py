@@ -78,7 +78,7 @@ class ClientSide:
             rid = meta.request_id
             if trace.ON:
                 trace.begin(rid, meta.tenant, "controller")
-            if owner is not None and meta.consumer is not None:
+            if owner is not None:
                 self._consumer_owner.setdefault(meta.consumer, owner)
             where = self.core.where(rid)
             if where is not None and where in self.handles:
@@ -143,7 +143,7 @@ class ClientSide:
 
     async def cancel(self, request_id: str) -> None:
         t = self.core.tickets.get(request_id)
-        if t is not None and t.replica in self.handles and t.meta and t.meta.consumer:
+        if t is not None and t.replica in self.handles and t.meta:
             # Forwarded: the replica may hold it before its client heard where it runs
             self.handles[t.replica].abort.remote(request_id)
         self._owner.pop(request_id, None)

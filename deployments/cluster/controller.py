@@ -339,7 +339,7 @@ class Controller(ClientSide):
             if isinstance(action, Assign):
                 rid, meta = action.ticket.request_id, action.ticket.meta
                 handle = self.handles.get(action.replica_id)
-                if handle is not None and meta is not None and meta.consumer is not None:
+                if handle is not None and meta is not None:
                     forwards.setdefault((action.replica_id, meta.consumer), []).append(meta)
                 else:
                     self._answer(rid, Assignment(rid, action.replica_id, handle))

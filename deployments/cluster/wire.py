@@ -38,7 +38,8 @@ class RequestMeta:
     queue_deadline: float | None = None  # ... unless it was first scheduled by this one
     # The client's channel id (`ReplicaLink.consumer`): the controller, when it assigns the
     # request, submits it to the replica, with the items going to that channel; the client
-    # reads them. None: nobody reads it (the controller only places it: admission benchmarks)
+    # reads them. Required by the controller actor (`submit_many`); a `FairnessCore` driven
+    # in-process (simulations) has no channels and leaves it None.
     consumer: str | None = None
 
     def set_deadlines(self, now: float) -> None:

@@ -145,9 +145,12 @@ def test_the_assignment_stream_sends_each_replica_handle_once(cluster):
     from fairbatch.deployments.cluster.wire import RequestMeta
 
     ctl = cluster.controller
-    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    # no consumer: the controller assigns them and submits none, so they only hold seats
-    metas = [RequestMeta(f"once-{i}", prompt(60 + i), params) for i in range(6)]
+    # long enough to stay placed while the streams are read (nobody reads their items; the
+    # cancels at the end abort them on their replicas)
+    params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    metas = [
+        RequestMeta(f"once-{i}", prompt(60 + i), params, consumer="consumer-once") for i in range(6)
+    ]
 
     async def stream(subscriber: str) -> list[tuple[dict, list]]:
         """One message per request: each submitted after the last one's assignment came (the
@@ -201,8 +204,8 @@ def test_a_request_of_a_higher_class_does_not_wait_for_a_batch(cluster):
 
     ctl = cluster.controller
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    urgent = RequestMeta("hurry-1", prompt(90), params, priority=1)
-    normal = RequestMeta("hurry-0", prompt(91), params)
+    urgent = RequestMeta("hurry-1", prompt(90), params, priority=1, consumer="consumer-hurry")
+    normal = RequestMeta("hurry-0", prompt(91), params, consumer="consumer-hurry")
 
     async def admit(meta: RequestMeta):
         batcher = AdmissionBatcher(lambda: ctl, linger_s=3.0)
