@@ -111,7 +111,7 @@ def build_engine(
     memory and what other processes hold (engine/memory.py); either way at most the blocks
     `max_num_seqs` sequences of `max_model_len` tokens fill. Host memory holds the swap space
     and the prefix cache's host tier (`cpu_cache_gb`, or `num_cpu_cache_blocks`; default: off
-    on CPU, `default_cpu_cache_gb` on CUDA) in one pool (kv/manager.py); more than the machine
+    on CPU, `default_cpu_cache_gb` on CUDA) in one pool (kv/host_tier.py); more than the machine
     has free is refused here. On CUDA decode steps replay CUDA
     graphs where the attention backend allows it, unless `enforce_eager`. Settings the
     backend cannot run fail here.

@@ -15,7 +15,7 @@ Step 1 before 2 and 3 means a running request is never starved by admissions; st
 after a preemption keeps a step from freeing blocks and handing them straight back (thrash) and
 keeps a freed GPU block from being both a swap-out source and a swap-in target in one step.
 
-Host tier (kv/manager.py): a waiting request's prefix lookup continues from the device into
+Host tier (kv/host_tier.py): a waiting request's prefix lookup continues from the device into
 host memory. Its host hits are loaded into its new blocks this step (`kv_load`, on the copy
 stream) and it computes from the next step on, so the load overlaps the others' forward; it is
 no preemption victim in the step that loads it. Blocks the device evicted during the step are

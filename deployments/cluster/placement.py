@@ -25,7 +25,7 @@ least loaded one takes it. So locality can neither pile a replica up beyond `loa
 the others nor let one tenant fill a replica's seats by its hits; which tenant goes next is the
 global policy's order over the cluster-wide counters, whatever the routing.
 
-Prefixes in a replica's host KV tier (kv/manager.py) are hits too: a replica reports them in
+Prefixes in a replica's host KV tier (kv/host_tier.py) are hits too: a replica reports them in
 the same list, tagged (`report_hashes`). Every routing counts them as cached; d2lpm ranks a
 match by its device blocks plus `host_hit_weight` (< 1) per host block, since loading a block
 over the host link costs more than finding it on the device and far less than its prefill.
