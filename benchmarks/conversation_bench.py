@@ -328,6 +328,9 @@ def replay_sim(
         "ttft_p50_s": round(pct(ttft, 50), 3),
         "ttft_p99_s": round(pct(ttft, 99), 3),
         "output_tok_s": round(out_tokens / sim.now, 1),
+        "preemptions": {
+            m: sum(s.num_preemptions[m] for s in scheds) for m in ("swap", "recompute")
+        },
         "virtual_s": round(sim.now, 1),
         "wall_s": round(time.perf_counter() - wall0, 1),
     }
