@@ -23,7 +23,7 @@ from fairbatch.deployments.cluster.fairness import ControllerConfig
 from fairbatch.deployments.cluster.limits import LimitsSpec, TenantLimit
 from fairbatch.deployments.cluster.replica import Replica, ReplicaConfig
 from fairbatch.deployments.cluster.replica_set import ReplicaSet, ReplicaSpec
-from fairbatch.deployments.metrics import Deltas, get_metrics
+from fairbatch.deployments.metrics import Deltas, get_metrics, record_host_tier
 from fairbatch.policies import TenantSpec
 
 log = logging.getLogger(__name__)
@@ -242,6 +242,7 @@ class ClusterReplica(Replica):
             "preemptions": dict(s.num_preemptions),
             "swapped_bytes": {k: v * block_bytes for k, v in s.num_swapped_blocks.items()},
             "timed_out": dict(self.core.timed_out),
+            "host_tier": self.core.stats()["host_tier"],
         }
 
     async def _metrics_loop(self) -> None:
@@ -261,6 +262,7 @@ class ClusterReplica(Replica):
                     deltas.inc(m.swapped_bytes, n, {**tag, "direction": direction})
                 for (tenant, stage), n in snap["timed_out"].items():
                     deltas.inc(m.timed_out, n, {"tenant": tenant, "stage": stage})
+                record_host_tier(m, deltas, snap["host_tier"], tag)
             except Exception as e:
                 log.debug("replica metrics failed: %r", e)
             await asyncio.sleep(self.metrics_interval_s)

@@ -45,6 +45,9 @@ class ReplicaConfig:
     # bfloat16 on CUDA; on CPU the checkpoint's, bfloat16 where the CPU has a bf16 path)
     dtype: str = "auto"
     enable_prefix_caching: bool = True
+    # host memory for the prefix cache's second tier (kv/host_tier.py), beside the swap space;
+    # None: the engine's default (off on CPU, on with a default size on CUDA)
+    cpu_cache_gb: float | None = None
     enforce_eager: bool = False  # CUDA: no decode CUDA graphs
     # LoRA adapters served at once (pool slots; 0: none) and the largest rank one may have
     max_loras: int = 0
@@ -74,6 +77,8 @@ class ReplicaConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if not self.time_scale >= 0:
             raise ValueError(f"time_scale must be >= 0, got {self.time_scale}")
+        if self.cpu_cache_gb is not None and not self.cpu_cache_gb >= 0:
+            raise ValueError(f"cpu_cache_gb must be >= 0, got {self.cpu_cache_gb}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         device = self.device
@@ -99,7 +104,15 @@ def build_core(cfg: ReplicaConfig) -> EngineCore:
             preemption_mode=cfg.preemption_mode,
             kv_bytes_per_token=shape.kv_bytes_per_token,
         )
-        kv = KVCacheManager(cfg.num_gpu_blocks, cfg.block_size, cfg.num_cpu_blocks)
+        block_bytes = shape.kv_bytes_per_token * cfg.block_size
+        tier = int((cfg.cpu_cache_gb or 0) * 2**30) // block_bytes  # (the modelled GPU's K/V)
+        kv = KVCacheManager(
+            cfg.num_gpu_blocks,
+            cfg.block_size,
+            cfg.num_cpu_blocks + tier,
+            cfg.enable_prefix_caching,
+            host_tier=tier > 0,
+        )
         policy = make_policy(cfg.policy, cfg.tenants, **cfg.policy_kwargs)
         return EngineCore(Scheduler(sched_cfg, kv, policy), runner)
     import torch
@@ -123,6 +136,7 @@ def build_core(cfg: ReplicaConfig) -> EngineCore:
         policy_kwargs=cfg.policy_kwargs,
         dtype=None if cfg.dtype == "auto" else getattr(torch, cfg.dtype),
         enable_prefix_caching=cfg.enable_prefix_caching,
+        cpu_cache_gb=cfg.cpu_cache_gb,
         enforce_eager=cfg.enforce_eager,
         max_loras=cfg.max_loras,
         max_lora_rank=cfg.max_lora_rank,
