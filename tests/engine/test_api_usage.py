@@ -170,7 +170,7 @@ def test_records_add_up_to_what_clients_were_told(env, tmp_path):
         for name, value in sample.labels.items()
     }
     assert {v for n, v in labels if n == "tenant"} == {"alice", "bob"}
-    allowed = {"tenant", "finish_reason", "kind", "stage", "mode", "direction", "le"}
+    allowed = {"tenant", "finish_reason", "kind", "stage", "mode", "direction", "event", "le"}
     assert {n for n, _ in labels} <= allowed
     ids = {r["request_id"] for r in got} | {r["response_id"] for r in got}
     assert not [v for _, v in labels if v in ids]
