@@ -289,7 +289,11 @@ def test_every_request_ends_through_replica_controller_and_ingress_kills(
         kind = classify(r, expected, ingress_kills)
         outcomes[kind] = outcomes.get(kind, 0) + 1
         if kind in ("bad", "hung") or r["silence"] > SILENCE_BOUND_S:
-            row = {k: r[k] for k in ("n", "status", "error", "finish", "silence")}
+            row = {k: r[k] for k in ("n", "status", "error", "finish", "silence", "done")}
+            if r["text"] != expected:  # where the text left the undisturbed one
+                at = next((i for i, (x, y) in enumerate(zip(r["text"], expected)) if x != y),
+                          min(len(r["text"]), len(expected)))  # fmt: skip
+                row["text"] = (len(r["text"]), len(expected), at, r["text"][at : at + 20])
             bad.append(row | {"sent": round(r["sent"], 2), "ended": round(r["ended"], 2)})
     silence = max(r["silence"] for r in results)
     print(f"chaos seed {seed}: kills {kills}, outcomes {outcomes}, longest silence {silence:.1f}s")
