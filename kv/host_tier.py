@@ -33,17 +33,7 @@ class HostTier:
         least one token is left to compute. Changes nothing: `load` takes them."""
         if not self.host_tier or request.request_id in self.req_blocks:
             return []
-        hashes, packed = self._chain(request.request_id)
-        tokens, bs, pool = request.all_token_ids, self.block_size, self.cpu_pool
-        hits: list[KVBlock] = []
-        for i in range(num_device_hits, (len(tokens) - 1) // bs):
-            if i == len(hashes):
-                pool.extend_chain(tokens, hashes, packed, i + 1, request.cache_salt)
-            block = pool.lookup_packed(hashes[i], packed[i])
-            if block is None:
-                break
-            hits.append(block)
-        return hits
+        return self._cached_run(self.cpu_pool, request, num_device_hits)
 
     def load(self, host_blocks: list[KVBlock], gpu_ids: list[int]) -> list[tuple[int, int]]:
         """(host block, device block) copies loading tier hits into a request's device blocks

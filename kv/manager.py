@@ -127,18 +127,23 @@ class KVCacheManager(HostTier):
         """
         if not self.enable_prefix_caching or request.request_id in self.req_blocks:
             return [], 0
+        hits = self._cached_run(self.gpu_pool, request, 0)
+        return hits, len(hits) * self.block_size
+
+    def _cached_run(self, pool: BlockPool, request, start: int) -> list[KVBlock]:
+        """`pool`'s cached blocks holding the request's blocks `start`, `start` + 1, ... (by
+        salted hash and token check), up to the first miss; never its last token's block."""
         hashes, packed = self._chain(request.request_id)
         tokens, bs = request.all_token_ids, self.block_size
-        pool = self.gpu_pool
         hits: list[KVBlock] = []
-        for i in range((len(tokens) - 1) // bs):
+        for i in range(start, (len(tokens) - 1) // bs):
             if i == len(hashes):
                 pool.extend_chain(tokens, hashes, packed, i + 1, request.cache_salt)
             block = pool.lookup_packed(hashes[i], packed[i])
             if block is None:
                 break
             hits.append(block)
-        return hits, len(hits) * bs
+        return hits
 
     def num_cached_prefix_tokens(self, request) -> int:
         """The token count `get_computed_blocks` would return now, changing nothing: no hash is
